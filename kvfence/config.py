@@ -1,0 +1,69 @@
+"""Engine configuration and the capacity check that refuses to start a pool too small."""
+import math
+from dataclasses import dataclass
+
+from kvfence.model.config import ModelConfig
+
+GIB = 1024**3
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None           # GGUF file or HF directory; None means the embedded default
+    max_model_len: int | None = None   # None: the model's own context length
+    page_size: int = 16
+    num_kv_pages: int | None = None    # None: derived from kv_memory_gib
+    kv_memory_gib: float = 2.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    device: str = "cpu"
+    num_threads: int | None = None
+    kv_sentinel: str = "enforce"       # off | log | enforce
+    kv_scrub: str = "off"              # off | on-free
+    prefix_cache: bool = True
+    inject_fault: str | None = None    # test-only: "legacy-reject-path"
+    min_batch_rows: int = 4            # MKL gives batch-independent rows from 4 rows up
+    seed: int = 0
+
+    def resolve(self, model: ModelConfig) -> None:
+        """Fill derived values and check that they agree; raise ConfigError naming the fix."""
+        if self.page_size < 1 or self.page_size > 1024:
+            raise ConfigError(f"page size {self.page_size} must be in [1, 1024]")
+        if self.max_model_len is None:
+            self.max_model_len = model.max_position_embeddings
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len {self.max_model_len} must be at least 2")
+        if self.max_model_len > model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.max_model_len} is over the model's {model.max_position_embeddings} "
+                f"positions: lower --max-model-len to at most {model.max_position_embeddings}")
+        if self.num_kv_pages is None:
+            page_bytes = model.kv_bytes_per_token * self.page_size
+            self.num_kv_pages = int(self.kv_memory_gib * GIB // page_bytes)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(
+                f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs "
+                f"{self.max_num_seqs}: every running request must be able to decode in one step")
+        if self.kv_sentinel not in ("off", "log", "enforce"):
+            raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
+        if self.kv_scrub not in ("off", "on-free"):
+            raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
+        check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
+
+
+def check_capacity(num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int) -> None:
+    """The pool must hold one request of the full advertised context, or nothing starts."""
+    capacity = num_pages * page_size
+    if capacity >= max_model_len:
+        return
+    need_pages = math.ceil(max_model_len / page_size)
+    need_gib = need_pages * page_size * kv_bytes_per_token / GIB
+    raise ConfigError(
+        f"KV pool holds {capacity} tokens ({num_pages} pages of {page_size}) but max_model_len is "
+        f"{max_model_len}: a full-context request could not fit. Raise --num-kv-pages to at least "
+        f"{need_pages} (about {need_gib:.2f} GiB of KV; twice that is advised for concurrency) or lower "
+        f"--max-model-len to at most {capacity}.")

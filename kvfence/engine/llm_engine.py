@@ -1,0 +1,228 @@
+"""The engine: admission, the step loop, sampling, stop handling and the free path."""
+import json
+import logging
+import time
+import uuid
+
+import torch
+
+from kvfence.config import EngineConfig
+from kvfence.engine.model_runner import ModelRunner
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.request import Request, RequestState
+from kvfence.engine.sampler import sample
+from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
+from kvfence.engine.scheduler import Scheduler
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.pool import KVPool
+from kvfence.model.llama import LlamaModel
+from kvfence.model.loader import load_model, resolve_model_path
+from kvfence.model.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+log = logging.getLogger("kvfence.engine")
+request_log = logging.getLogger("kvfence.requests")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = True):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_path = resolve_model_path(config.model)
+        self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
+        model_config, weights = load_model(self.model_path, progress=progress)
+        config.resolve(model_config)
+        self.model_config = model_config
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.eos_token_ids = {t for t in [self.tokenizer.eos_token_id] if t is not None}
+        self.max_model_len = config.max_model_len
+        self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device)
+        self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release)
+        self.runner = ModelRunner(LlamaModel(model_config, weights, config.device), self.pool, self.allocator,
+                                  config.kv_sentinel, config.min_batch_rows)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.requests: dict[str, list[Request]] = {}
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
+        self.rejected: dict[str, int] = {}
+
+    # --- admission ------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Checks a request before anything is allocated; returns its max_tokens.
+        Raises InvalidRequest with a reason the caller can act on."""
+        try:
+            return self._validate(prompt_token_ids, params)
+        except InvalidRequest as e:
+            self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
+            raise
+
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
+        params.validate(vocab)
+        n_prompt = len(prompt_token_ids)
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise InvalidRequest(
+                f"the prompt has {n_prompt} tokens; this model's maximum context length is {limit} tokens, "
+                f"which must also leave room for at least one output token", "prompt", "context_length_exceeded")
+        max_tokens = params.max_tokens if params.max_tokens is not None else limit - n_prompt
+        if n_prompt + max_tokens > limit:
+            raise InvalidRequest(
+                f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {n_prompt + max_tokens}, over "
+                f"this model's maximum context length of {limit} tokens; lower max_tokens to at most "
+                f"{limit - n_prompt}", "max_tokens", "context_length_exceeded")
+        pages = self.allocator.pages_for(n_prompt + max_tokens)
+        if pages > self.allocator.num_pages:
+            raise InvalidRequest(
+                f"the request needs {pages} KV pages and the whole pool has {self.allocator.num_pages}",
+                "max_tokens", "kv_pool_exceeded")
+        return max_tokens
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, tenant: str = "default") -> list[Request]:
+        params = params or SamplingParams()
+        prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = self.validate(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id} is already in use", "request_id")
+        children = []
+        for i in range(params.n):
+            req = Request(request_id=f"{request_id}-{i}", prompt_token_ids=prompt_ids, parent_id=request_id,
+                          index=i, params=params, max_tokens=max_tokens, tenant=tenant)
+            if params.seed is not None:
+                req.generator = torch.Generator().manual_seed(params.seed + i)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+            self.scheduler.add(req)
+            children.append(req)
+        self.requests[request_id] = children
+        return children
+
+    # --- the free path ----------------------------------------------------------------
+
+    def release(self, req: Request) -> None:
+        """Gives back every page a request holds. The only place pages are freed."""
+        freed = self.allocator.free(req.owner, req.block_table)
+        if self.config.kv_scrub == "on-free":
+            self.pool.scrub(freed)
+        req.block_table.clear()
+        req.page_generations.clear()
+        req.num_shared_pages = 0
+
+    def _finish(self, req: Request, state: RequestState, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        self.release(req)
+        req.error = error
+        req.set_state(state)
+        key = {RequestState.ABORTED: "aborted", RequestState.FAILED: "failed"}.get(state, "finished")
+        self.stats[key] += 1
+        self._log_finish(req)
+
+    def abort(self, request_id: str) -> list[RequestOutput]:
+        outputs = []
+        for req in self.requests.pop(request_id, []):
+            if not req.is_terminal:
+                self._finish(req, RequestState.ABORTED)
+                outputs.append(self._output(req))
+        return outputs
+
+    # --- the step --------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for req, _ in batch:
+            req.first_scheduled_time = req.first_scheduled_time or now
+        batch, violations = self.runner.check(batch)
+        outputs = []
+        for req, problem in violations:
+            self._finish(req, RequestState.FAILED, f"internal error: KV ownership check failed ({problem})")
+            outputs.append(self._output(req))
+        if not batch:
+            return outputs
+        logits, sampled = self.runner.run(batch)
+        for req, n in batch:
+            if req.num_computed_tokens < len(req.prompt_token_ids):
+                req.num_prompt_tokens_computed += min(n, len(req.prompt_token_ids) - req.num_computed_tokens)
+            req.num_computed_tokens += n
+        for req, (token, logprob) in zip(sampled, sample(logits, sampled, self.generator)):
+            self._append_token(req, token, logprob)
+            outputs.append(self._output(req))
+        return outputs
+
+    def _append_token(self, req: Request, token: int, logprob: dict | None) -> None:
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.stats["prompt_tokens"] += len(req.prompt_token_ids)
+        self.stats["generation_tokens"] += 1
+        req.output_token_ids.append(token)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        req.text += req.detokenizer.add(token)
+        p = req.params
+        if token in p.stop_token_ids or (token in self.eos_token_ids and not p.ignore_eos):
+            req.stop_reason = token if token in p.stop_token_ids else None
+            self._finish(req, RequestState.FINISHED_STOP)
+        elif self._hit_stop_string(req):
+            self._finish(req, RequestState.FINISHED_STOP)
+        elif len(req.output_token_ids) >= req.max_tokens:
+            self._finish(req, RequestState.FINISHED_LENGTH)
+
+    @staticmethod
+    def _hit_stop_string(req: Request) -> bool:
+        if not req.params.stop:
+            return False
+        longest = max(len(s) for s in req.params.stop)
+        window_start = max(0, len(req.text) - 2 * longest - 16)
+        hits = [(req.text.find(s, window_start), s) for s in req.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        req.text = req.text[:index]
+        req.stop_reason = stop
+        return True
+
+    def _output(self, req: Request) -> RequestOutput:
+        """Reports what is new since the last output. While a stop string could still be
+        forming, the text that might belong to it is held back."""
+        hold = 0 if req.is_terminal or not req.params.stop else max(len(s) for s in req.params.stop) - 1
+        end = max(req.sent_text_len, len(req.text) - hold)
+        delta = req.text[req.sent_text_len:end]
+        req.sent_text_len = end
+        new_tokens = req.output_token_ids[req.sent_token_len:]
+        req.sent_token_len = len(req.output_token_ids)
+        if req.is_terminal and not any(not r.is_terminal for r in self.requests.get(req.parent_id, [])):
+            self.requests.pop(req.parent_id, None)
+        return RequestOutput(
+            request_id=req.parent_id, index=req.index, prompt_token_ids=req.prompt_token_ids,
+            token_ids=list(req.output_token_ids), text=req.text[:end], delta_text=delta,
+            delta_token_ids=new_tokens, finished=req.is_terminal, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=req.logprobs, error=req.error,
+            num_cached_tokens=req.num_cached_tokens)
+
+    def _log_finish(self, req: Request) -> None:
+        t0 = req.arrival_time
+        ms = lambda t: None if t is None else round((t - t0) * 1000, 1)  # noqa: E731
+        request_log.info(json.dumps({
+            "event": "request_finished", "request_id": req.request_id, "tenant": req.tenant,
+            "prompt_tokens": len(req.prompt_token_ids), "prompt_tokens_computed": req.num_prompt_tokens_computed,
+            "cached_tokens": req.num_cached_tokens, "output_tokens": len(req.output_token_ids),
+            "queue_ms": ms(req.first_scheduled_time), "ttft_ms": ms(req.first_token_time),
+            "total_ms": ms(req.finish_time), "finish_reason": req.finish_reason,
+            "preemptions": req.num_preemptions, "error": req.error,
+        }))

@@ -1,0 +1,117 @@
+"""Turns a scheduled batch into tensors, checks ownership, and runs the model once."""
+import logging
+
+import torch
+
+from kvfence.engine.request import Request
+from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.pool import KVPool
+from kvfence.kv.sentinel import check_block_table
+from kvfence.model.attention import AttentionMetadata, PrefillChunk
+from kvfence.model.llama import LlamaModel
+
+log = logging.getLogger("kvfence.sentinel")
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str, min_rows: int):
+        self.model = model
+        self.pool = pool
+        self.allocator = allocator
+        self.sentinel = sentinel
+        self.min_rows = min_rows
+        self.device = model.device
+        self.sentinel_violations = 0
+
+    def check(self, batch: list[tuple[Request, int]]) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
+        """Splits the batch into requests allowed to run and (request, violation) pairs."""
+        if self.sentinel == "off":
+            return batch, []
+        allowed, failed = [], []
+        for req, n in batch:
+            problem = check_block_table(self.allocator, req.owner, req.block_table, req.page_generations,
+                                        req.num_shared_pages, req.num_computed_tokens, req.num_computed_tokens + n)
+            if problem is None:
+                allowed.append((req, n))
+                continue
+            self.sentinel_violations += 1
+            log.error("KV SENTINEL: request %s (tenant %s): %s", req.request_id, req.tenant, problem)
+            if self.sentinel == "enforce":
+                failed.append((req, problem))
+            else:
+                allowed.append((req, n))
+        return allowed, failed
+
+    def mark_written(self, req: Request, start: int, end: int) -> None:
+        ps = self.pool.page_size
+        for page_index in range(start // ps, -(-end // ps)):
+            page = req.block_table[page_index]
+            if page_index >= req.num_shared_pages:
+                self.allocator.mark_written(req.owner, page, min(end - page_index * ps, ps))
+
+    def run(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
+        """Computes every scheduled token. Returns logits for the requests whose chunk ends at
+        their last token, which are the ones to sample, and those requests in logits order."""
+        ps = self.pool.page_size
+        scratch_page = self.pool.num_pages
+        decodes = [(r, n) for r, n in batch if n == 1]
+        prefills = [(r, n) for r, n in batch if n > 1]
+        ids, positions, slots = [], [], []
+        for req, n in decodes + prefills:
+            start = req.num_computed_tokens
+            tokens = req.all_token_ids
+            for pos in range(start, start + n):
+                ids.append(tokens[pos])
+                positions.append(pos)
+                slots.append(req.block_table[pos // ps] * ps + pos % ps)
+            self.mark_written(req, start, start + n)
+        num_real = len(ids)
+        pad = max(0, self.min_rows - num_real)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.pool.scratch_slot] * pad
+
+        decode_slots = decode_mask = None
+        if decodes:
+            lengths = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes])
+            max_len = int(lengths.max())
+            max_pages = -(-max_len // ps)
+            table = torch.full((len(decodes), max_pages), scratch_page, dtype=torch.long)
+            for i, (req, _) in enumerate(decodes):
+                pages = req.block_table[:max_pages]
+                table[i, :len(pages)] = torch.tensor(pages)
+            pos = torch.arange(max_len)
+            valid = pos[None, :] < lengths[:, None]
+            decode_slots = torch.where(valid, table[:, pos // ps] * ps + pos % ps, self.pool.scratch_slot)
+            decode_mask = valid[:, None, None, :]
+        chunks = []
+        row = len(decodes)
+        for req, n in prefills:
+            start = req.num_computed_tokens
+            length = start + n
+            pos = torch.arange(length)
+            table = torch.tensor(req.block_table[:-(-length // ps)])
+            context = table[pos // ps] * ps + pos % ps
+            mask = pos[None, :] <= torch.arange(start, length)[:, None]
+            chunks.append(PrefillChunk(row, row + n, context.to(self.device), mask.to(self.device)))
+            row += n
+
+        sample_rows, sampled, row = [], [], 0
+        for req, n in decodes + prefills:
+            row += n
+            if req.num_computed_tokens + n == req.num_tokens:
+                sample_rows.append(row - 1)
+                sampled.append(req)
+        num_sampled = len(sample_rows)
+        sample_rows += [0] * max(0, self.min_rows - num_sampled)
+
+        to = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        meta = AttentionMetadata(
+            slot_mapping=to(slots),
+            num_decode=len(decodes),
+            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
+            decode_mask=None if decode_mask is None else decode_mask.to(self.device),
+            prefills=chunks,
+        )
+        logits = self.model.forward(to(ids), to(positions), meta, self.pool, to(sample_rows))
+        return logits[:num_sampled].float().cpu(), sampled

@@ -1,0 +1,49 @@
+"""Turns logits into the next token of each request: penalties, temperature, top-k,
+top-p, seeded sampling, and log-probabilities of the raw model distribution."""
+import torch
+
+from kvfence.engine.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    p = req.params
+    if not (p.presence_penalty or p.frequency_penalty) or not req.output_token_ids:
+        return logits
+    counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
+    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -> int:
+    p = req.params
+    if p.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least one token)
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=req.generator or generator))
+
+
+def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
+    """Returns (token id, logprobs entry or None) per request."""
+    results = []
+    for row, req in zip(logits, requests):
+        token = sample_one(apply_penalties(row, req), req, generator)
+        entry = None
+        if req.params.logprobs is not None:
+            logprobs = torch.log_softmax(row, dim=-1)
+            top = torch.topk(logprobs, req.params.logprobs) if req.params.logprobs else None
+            entry = {
+                "token_id": token,
+                "logprob": float(logprobs[token]),
+                "top": [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)],
+            }
+        results.append((token, entry))
+    return results

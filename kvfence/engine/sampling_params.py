@@ -1,0 +1,66 @@
+"""Per-request sampling parameters and their validation (part of admission)."""
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_LOGPROBS = 20
+MAX_N = 16
+
+
+class InvalidRequest(ValueError):
+    """A request that cannot be served; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidRequest(message, param)
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              "max_tokens", "max_tokens must be a positive integer")
+        check(0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
+        check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
+        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), "top_k",
+              "top_k must be -1 (off), 0 (off) or a positive integer")
+        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
+              "seed must be an integer in [0, 2**63)")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
+        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
+              f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters")
+        check(len(self.stop_token_ids) <= MAX_STOP_STRINGS, "stop_token_ids",
+              f"at most {MAX_STOP_STRINGS} stop token ids")
+        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
+              f"stop token ids must be in [0, {vocab_size})")

@@ -1,0 +1,101 @@
+"""Page allocator with ownership records.
+
+Every page is free or has exactly one owner: a request (its integer owner id) or the
+prefix cache (PREFIX_OWNER, with a reference count of the requests that read it). Each
+free bumps the page's generation, so a block table entry granted before a free can never
+pass for a current one. `written` counts the slots of a page its owner has filled, so
+nobody can read a slot that was not written for them.
+"""
+from collections import deque
+
+import numpy as np
+
+FREE = -1
+PREFIX_OWNER = -2
+
+
+class OwnershipError(RuntimeError):
+    """A page was freed or handed over by someone who does not own it: a bug, never ignored."""
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.owner = np.full(num_pages, FREE, dtype=np.int64)
+        self.generation = np.zeros(num_pages, dtype=np.int64)
+        self.written = np.zeros(num_pages, dtype=np.int64)
+        self.refcount = np.zeros(num_pages, dtype=np.int64)
+        self._free = deque(range(num_pages))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def allocate(self, owner: int, count: int) -> list[int]:
+        if count > len(self._free):
+            raise OwnershipError(f"asked for {count} pages with {len(self._free)} free")
+        pages = [self._free.popleft() for _ in range(count)]
+        for p in pages:
+            if self.owner[p] != FREE:
+                raise OwnershipError(f"page {p} on the free list is owned by {self.owner[p]}")
+            self.owner[p] = owner
+            self.written[p] = 0
+        return pages
+
+    def free(self, owner: int, pages: list[int]) -> list[int]:
+        """Release pages `owner` holds; returns the pages that really went back to the free list."""
+        released = []
+        for p in pages:
+            if self.owner[p] == PREFIX_OWNER:
+                self.release_shared(p)
+                continue
+            if self.owner[p] != owner:
+                raise OwnershipError(f"owner {owner} freed page {p} owned by {self.owner[p]}")
+            self._release(p)
+            released.append(p)
+        return released
+
+    def _release(self, page: int) -> None:
+        self.owner[page] = FREE
+        self.generation[page] += 1
+        self.written[page] = 0
+        self.refcount[page] = 0
+        self._free.append(page)
+
+    def mark_written(self, owner: int, page: int, upto: int) -> None:
+        if self.owner[page] != owner:
+            raise OwnershipError(f"owner {owner} wrote page {page} owned by {self.owner[page]}")
+        self.written[page] = max(self.written[page], upto)
+
+    # --- shared prefix pages ---------------------------------------------------------
+
+    def share(self, owner: int, page: int) -> None:
+        """Hand a full page from its request to the prefix cache (refcount 1: the request)."""
+        if self.owner[page] != owner or self.written[page] != self.page_size:
+            raise OwnershipError(f"owner {owner} cannot share page {page}")
+        self.owner[page] = PREFIX_OWNER
+        self.refcount[page] = 1
+
+    def acquire_shared(self, page: int) -> None:
+        if self.owner[page] != PREFIX_OWNER:
+            raise OwnershipError(f"page {page} is not a prefix-cache page")
+        self.refcount[page] += 1
+
+    def release_shared(self, page: int) -> None:
+        if self.owner[page] != PREFIX_OWNER or self.refcount[page] <= 0:
+            raise OwnershipError(f"page {page} released without a reference")
+        self.refcount[page] -= 1
+
+    def evict_shared(self, page: int) -> None:
+        """The prefix cache drops a page nobody reads any more."""
+        if self.owner[page] != PREFIX_OWNER or self.refcount[page] != 0:
+            raise OwnershipError(f"page {page} evicted while in use")
+        self._release(page)

@@ -1,0 +1,24 @@
+"""Shape of a Llama-family model, read from a GGUF header or a Hugging Face config.json."""
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """fp32 K and V for every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4

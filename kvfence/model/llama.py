@@ -1,0 +1,64 @@
+"""Llama-family forward pass (Llama, SmolLM, Qwen2 shapes) over the paged KV pool."""
+import torch
+import torch.nn.functional as F
+
+from kvfence.kv.pool import KVPool
+from kvfence.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvfence.model.config import ModelConfig
+from kvfence.model.loader import Weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu"):
+        self.config = config
+        self.device = torch.device(device)
+        move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        self.embed = move(weights.embed)
+        self.layers = [type(layer)(**{k: move(v) for k, v in vars(layer).items()}) for layer in weights.layers]
+        self.final_norm = move(weights.final_norm)
+        self.lm_head = move(weights.lm_head)
+        d = config.head_dim
+        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
+        self.scale = d ** -0.5
+        self.q_size = config.num_heads * d
+        self.kv_size = config.num_kv_heads * d
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVPool, sample_rows: torch.Tensor) -> torch.Tensor:
+        """Runs every row of the batch; returns logits [len(sample_rows), vocab] for the rows to sample."""
+        cfg = self.config
+        num_rows = input_ids.shape[0]
+        cos, sin = self.rope(positions)
+        x = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_rows, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_rows, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_rows, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            write_kv(kv.k[i], kv.v[i], k, v, meta)
+            attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+            x = x + F.linear(attn.view(num_rows, self.q_size), layer.o)
+            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = rms_norm(x[sample_rows], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)

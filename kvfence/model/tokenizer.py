@@ -1,0 +1,67 @@
+"""Tokenizer, chat template and incremental detokenization.
+
+Tokenizers come from Hugging Face `transformers`: built from the GGUF metadata for a GGUF
+file (then cached on disk, since that conversion takes seconds) or read from a model
+directory.
+"""
+import hashlib
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def _cache_dir(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    root = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
+    return root / "tokenizers" / key
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    if path.is_dir():
+        return AutoTokenizer.from_pretrained(str(path))
+    cached = _cache_dir(path)
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached))
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        tokenizer.save_pretrained(str(cached))
+    except OSError:
+        pass  # a read-only home only costs the conversion next time
+    return tokenizer
+
+
+def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+    if not tokenizer.chat_template:
+        raise ValueError("this model has no chat template; use the completions API")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text, never emitting half a UTF-8 character.
+
+    It decodes a short window of ids and only emits text once the window no longer ends
+    in U+FFFD, the mark of an incomplete byte sequence. A few prompt tokens seed the
+    window so that tokenizers which drop a leading space decode the first token right.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids = list(prompt_ids[-5:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return ""
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return full[len(prefix):]
