@@ -110,7 +110,7 @@ class LLMEngine:
 
     def release(self, req: Request) -> None:
         """Gives back every page a request holds. The only place pages are freed."""
-        freed = self.allocator.free(req.owner, req.block_table)
+        freed = self.allocator.free_owner(req.owner, req.block_table[:req.num_shared_pages])
         if self.config.kv_scrub == "on-free":
             self.pool.scrub(freed)
         req.block_table.clear()

@@ -50,17 +50,16 @@ class PageAllocator:
             self.written[p] = 0
         return pages
 
-    def free(self, owner: int, pages: list[int]) -> list[int]:
-        """Release pages `owner` holds; returns the pages that really went back to the free list."""
-        released = []
-        for p in pages:
-            if self.owner[p] == PREFIX_OWNER:
-                self.release_shared(p)
-                continue
-            if self.owner[p] != owner:
-                raise OwnershipError(f"owner {owner} freed page {p} owned by {self.owner[p]}")
+    def free_owner(self, owner: int, shared_pages: list[int]) -> list[int]:
+        """Releases every page the records say `owner` holds, plus its references to shared
+        prefix pages; returns the pages that went back to the free list. Going by the
+        records rather than the request's block table means a corrupted table can neither
+        leak a page nor free someone else's."""
+        for p in shared_pages:
+            self.release_shared(p)
+        released = np.nonzero(self.owner == owner)[0].tolist()
+        for p in released:
             self._release(p)
-            released.append(p)
         return released
 
     def _release(self, page: int) -> None:

@@ -1,0 +1,92 @@
+"""The `kvfence` command: generate, serve, router, audit, check-config, bench."""
+import argparse
+import json
+import logging
+import sys
+
+from kvfence.config import ConfigError, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or safetensors directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-model-len", type=int, default=None, help="advertised context length (default: the model's)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    g.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from --kv-memory-gib)")
+    g.add_argument("--kv-memory-gib", type=float, default=2.0, help="KV pool memory budget when --num-kv-pages is not given")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    g.add_argument("--kv-sentinel", choices=["off", "log", "enforce"], default="enforce",
+                   help="check KV page ownership before every step")
+    g.add_argument("--kv-scrub", choices=["off", "on-free"], default="off", help="zero KV pages when they are freed")
+    g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
+    g.add_argument("--inject-fault", choices=["legacy-reject-path"], default=None,
+                   help="TEST ONLY: re-create the 2026 KV leak on purpose")
+    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, max_model_len=args.max_model_len, page_size=args.page_size,
+        num_kv_pages=args.num_kv_pages, kv_memory_gib=args.kv_memory_gib, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, num_threads=args.threads,
+        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, prefix_cache=not args.no_prefix_cache,
+        inject_fault=args.inject_fault, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvfence.llm import LLM
+    from kvfence.engine.sampling_params import SamplingParams
+
+    llm = LLM(**vars(engine_config(args)))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop or [])
+    if args.chat:
+        result = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        result = llm.generate(args.prompt, params)[0]
+    out = result.outputs[0]
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    print(out.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("prompt")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sampling-seed", type=int, default=None)
+    p.add_argument("--stop", action="append")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"kvfence: configuration error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a clean message for load errors
+        from kvfence.engine.sampling_params import InvalidRequest
+        from kvfence.model.loader import ModelLoadError
+
+        if isinstance(e, (ModelLoadError, InvalidRequest)):
+            print(f"kvfence: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

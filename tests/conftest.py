@@ -1,0 +1,75 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from kvfence.model.loader import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model_path):
+    from kvfence.model.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path)
+
+
+def _tiny_model(tmp_path_factory, tokenizer, arch: str):
+    """A 2-layer random-weight model with the real tokenizer, saved as a HF directory."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  rope_theta=10000.0, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    path = tmp_path_factory.mktemp(f"tiny-{arch}")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tokenizer):
+    return _tiny_model(tmp_path_factory, tokenizer, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, tokenizer):
+    return _tiny_model(tmp_path_factory, tokenizer, "qwen2")
+
+
+@pytest.fixture(scope="session")
+def real_llm():
+    """The embedded default model, shared by the end-to-end engine tests."""
+    from kvfence import LLM
+
+    return LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_model_path):
+    """Hugging Face transformers loading the same GGUF file, fp32: the reference outputs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(default_model_path.parent), gguf_file=default_model_path.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def assert_pool_empty(engine):
+    """Every page is free again (or an unreferenced prefix-cache page) and nothing is queued."""
+    a = engine.allocator
+    assert engine.scheduler.num_unfinished == 0
+    assert not (a.owner >= 0).any(), f"pages still owned by requests: {(a.owner >= 0).nonzero()[0].tolist()}"
+    assert not a.refcount.any(), "prefix-cache pages still referenced"

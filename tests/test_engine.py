@@ -1,0 +1,181 @@
+"""Admission, scheduling, preemption, abort and pool accounting on a tiny model."""
+import pytest
+
+from conftest import assert_pool_empty
+from kvfence import LLM, SamplingParams
+from kvfence.config import ConfigError, EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.request import RequestState
+from kvfence.engine.sampling_params import InvalidRequest
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def tiny_engine(path, **kw):
+    cfg = dict(page_size=4, num_kv_pages=128, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
+    cfg.update(kw)
+    return LLMEngine(EngineConfig(model=str(path), **cfg), progress=False)
+
+
+def run_all(engine, check=None):
+    finished = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[(out.request_id, out.index)] = out
+        if check:
+            check(engine)
+    return finished
+
+
+def block_tables_disjoint(engine):
+    seen = set()
+    for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        pages = set(req.block_table[req.num_shared_pages:])
+        assert not pages & seen, "a page is in two block tables"
+        seen |= pages
+
+
+def test_start_refused_when_pool_smaller_than_context(tiny_llama_dir):
+    with pytest.raises(ConfigError) as e:
+        tiny_engine(tiny_llama_dir, num_kv_pages=10, max_model_len=128)
+    msg = str(e.value)
+    assert "40 tokens" in msg and "128" in msg and "--num-kv-pages to at least 32" in msg
+
+
+def test_start_accepted_when_pool_holds_exactly_the_context(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir, num_kv_pages=32, max_model_len=128)
+    assert engine.allocator.num_pages * 4 == 128
+
+
+def test_admission_limits(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    ok = SamplingParams(max_tokens=8, **GREEDY)
+    engine.add_request(list(range(10, 130)), ok)  # 120 + 8 == max_model_len: accepted
+    used_before = engine.allocator.num_used
+    for prompt, params in [
+        (list(range(10, 131)), ok),                                      # limit + 1
+        (list(range(10, 138)), SamplingParams(max_tokens=None)),         # prompt fills the context
+        (list(range(10, 10 + 128 * 4 + 1)), ok),                         # pool + 1 tokens
+    ]:
+        with pytest.raises(InvalidRequest) as e:
+            engine.add_request(prompt, params)
+        assert e.value.code == "context_length_exceeded"
+        assert "128" in e.value.message
+    assert engine.allocator.num_used == used_before
+    assert engine.scheduler.num_unfinished == 1, "a rejected request never enters a queue"
+    assert engine.rejected["context_length_exceeded"] == 3
+    run_all(engine)
+    assert_pool_empty(engine)
+
+
+def test_default_max_tokens_fills_the_context(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    (req,) = engine.add_request(list(range(10, 100)), SamplingParams(max_tokens=None, **GREEDY))
+    assert req.max_tokens == 38
+    out = run_all(engine)[(req.parent_id, 0)]
+    assert len(out.token_ids) == 38 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("params, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=2.5), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(n=100), "n"),
+    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-5), "max_tokens"), (dict(logprobs=21), "logprobs"),
+    (dict(presence_penalty=3.0), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+    (dict(stop=["x"] * 17), "stop"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[10**9]), "stop_token_ids"),
+    (dict(seed=-1), "seed"),
+])
+def test_invalid_sampling_parameters_are_rejected(tiny_llama_dir, params, field):
+    engine = tiny_engine(tiny_llama_dir)
+    with pytest.raises(InvalidRequest) as e:
+        engine.add_request([1, 2, 3], SamplingParams(**params))
+    assert e.value.param == field
+    assert engine.allocator.num_used == 0 and engine.scheduler.num_unfinished == 0
+
+
+def test_bad_prompts_are_rejected(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    for prompt in ([], "", [1, -1], [1, 10**9]):
+        with pytest.raises(InvalidRequest) as e:
+            engine.add_request(prompt)
+        assert e.value.param == "prompt"
+    assert engine.scheduler.num_unfinished == 0
+
+
+def test_preemption_keeps_outputs_correct(tiny_llama_dir):
+    prompts = [list(range(20 + i, 60 + i)) for i in range(6)]
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    roomy = tiny_engine(tiny_llama_dir)
+    for p in prompts:
+        roomy.add_request(p, params)
+    expected = run_all(roomy)
+    tight = tiny_engine(tiny_llama_dir, num_kv_pages=40, max_model_len=96)  # 6 x 80 tokens need 120 pages
+    for p in prompts:
+        tight.add_request(p, params)
+    got = run_all(tight, check=block_tables_disjoint)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in got.values()] == [o.token_ids for o in expected.values()]
+    assert_pool_empty(tight)
+
+
+def test_abort_at_any_time_frees_every_page(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir, max_num_seqs=2)
+    params = SamplingParams(max_tokens=30, **GREEDY)
+    ids = [engine.add_request(list(range(5, 5 + n)), params)[0].parent_id for n in (70, 10, 12, 9)]
+    engine.step()  # first request is mid-prefill (32-token budget), the last two are waiting
+    first = engine.requests[ids[0]][0]
+    assert first.state == RequestState.RUNNING and 0 < first.num_computed_tokens < 70
+    engine.abort(ids[0])  # mid-prefill
+    engine.abort(ids[3])  # waiting
+    for _ in range(5):
+        engine.step()
+    second = engine.requests[ids[1]][0]
+    assert len(second.output_token_ids) > 0
+    outs = engine.abort(ids[1])  # mid-decode
+    assert outs[0].finished and outs[0].finish_reason == "abort"
+    assert engine.abort("no-such-request") == []
+    finished = run_all(engine)
+    assert [k[0] for k in finished] == [ids[2]]
+    assert_pool_empty(engine)
+
+
+def test_mixed_workload_returns_pool_to_baseline(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir, num_kv_pages=48, max_model_len=96, max_num_seqs=6)
+    ids = []
+    for i in range(12):
+        params = SamplingParams(max_tokens=10 + 5 * (i % 4), n=1 + i % 2, seed=i, temperature=0.8)
+        ids.append(engine.add_request(list(range(3, 20 + 4 * i)), params)[0].parent_id)
+    with pytest.raises(InvalidRequest):
+        engine.add_request(list(range(200)), SamplingParams())
+    for step in range(200):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+        block_tables_disjoint(engine)
+        if step in (3, 9):
+            engine.abort(ids[step])
+    assert engine.stats["aborted"] >= 2
+    assert_pool_empty(engine)
+
+
+def test_sentinel_fails_corrupted_requests_and_serves_the_others(tiny_llama_dir):
+    engine = tiny_engine(tiny_llama_dir)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    victim = engine.add_request(list(range(5, 25)), params)[0]
+    thief = engine.add_request(list(range(30, 50)), params)[0]
+    bystander = engine.add_request(list(range(60, 70)), params)[0]
+    engine.step()
+    engine.step()
+    # the thief's block table now points at the victim's first page, and the victim's at the thief's
+    victim.block_table[0], thief.block_table[0] = thief.block_table[0], victim.block_table[0]
+    produced = {r.owner: len(r.output_token_ids) for r in (victim, thief)}
+    outs = run_all(engine)
+    for req in (victim, thief):
+        out = outs[(req.parent_id, 0)]
+        assert out.finish_reason == "error" and "KV ownership" in out.error
+        assert len(out.token_ids) == produced[req.owner], "no token was produced after the corruption"
+    assert outs[(bystander.parent_id, 0)].finish_reason == "length"
+    assert engine.runner.sentinel_violations == 2
+    assert_pool_empty(engine)
+    (after,) = engine.add_request([1, 2, 3], params)
+    assert run_all(engine)[(after.parent_id, 0)].finish_reason == "length"

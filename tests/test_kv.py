@@ -1,0 +1,86 @@
+"""Page allocator ownership records and the runtime sentinel."""
+import pytest
+
+from kvfence.kv.allocator import FREE, OwnershipError, PageAllocator
+from kvfence.kv.sentinel import check_block_table
+
+
+def granted(allocator, owner, count, written_tokens):
+    pages = allocator.allocate(owner, count)
+    gens = [int(allocator.generation[p]) for p in pages]
+    for i, p in enumerate(pages):
+        allocator.mark_written(owner, p, min(max(written_tokens - i * allocator.page_size, 0), allocator.page_size))
+    return pages, gens
+
+
+def test_allocation_gives_each_page_one_owner():
+    a = PageAllocator(8, 4)
+    p1 = a.allocate(1, 3)
+    p2 = a.allocate(2, 5)
+    assert not set(p1) & set(p2)
+    assert all(a.owner[p] == 1 for p in p1) and all(a.owner[p] == 2 for p in p2)
+    assert a.num_free == 0
+    with pytest.raises(OwnershipError):
+        a.allocate(3, 1)
+
+
+def test_free_bumps_generation_and_touches_only_the_owners_pages():
+    a = PageAllocator(4, 4)
+    pages = a.allocate(1, 2)
+    theirs = a.allocate(2, 1)
+    before = a.generation[pages].copy()
+    assert sorted(a.free_owner(1, [])) == sorted(pages)
+    assert (a.generation[pages] == before + 1).all()
+    assert (a.owner[pages] == FREE).all() and (a.written[pages] == 0).all()
+    assert a.free_owner(1, []) == []  # nothing left to free twice
+    assert a.owner[theirs[0]] == 2, "another owner's page is untouched"
+
+
+def test_writes_only_by_the_owner():
+    a = PageAllocator(2, 4)
+    (p,) = a.allocate(1, 1)
+    with pytest.raises(OwnershipError):
+        a.mark_written(2, p, 4)
+
+
+def test_sentinel_accepts_a_sound_block_table():
+    a = PageAllocator(8, 4)
+    pages, gens = granted(a, 7, 3, 10)
+    assert check_block_table(a, 7, pages, gens, 0, num_written=10, num_tokens=11) is None
+
+
+def test_sentinel_catches_a_page_of_another_request():
+    a = PageAllocator(8, 4)
+    pages, gens = granted(a, 7, 2, 8)
+    other, other_gens = granted(a, 8, 1, 4)
+    problem = check_block_table(a, 7, [pages[0], other[0]], [gens[0], other_gens[0]], 0, 8, 8)
+    assert problem and "owned by 8" in problem
+
+
+def test_sentinel_catches_a_stale_generation():
+    a = PageAllocator(1, 4)
+    pages, gens = granted(a, 7, 1, 4)
+    a.free_owner(7, [])
+    again, _ = granted(a, 7, 1, 4)  # same page, same owner id, new generation
+    assert again == pages
+    problem = check_block_table(a, 7, pages, gens, 0, 4, 4)
+    assert problem and "generation" in problem
+
+
+def test_sentinel_catches_reading_unwritten_slots():
+    """The incident: one token written, attention about to read the whole reserved range."""
+    a = PageAllocator(8, 4)
+    pages, gens = granted(a, 7, 4, 1)
+    problem = check_block_table(a, 7, pages, gens, 0, num_written=15, num_tokens=16)
+    assert problem and "written" in problem
+
+
+def test_sentinel_catches_a_short_block_table():
+    a = PageAllocator(8, 4)
+    pages, gens = granted(a, 7, 1, 4)
+    assert "block table" in check_block_table(a, 7, pages, gens, 0, 4, 5)
+
+
+def test_sentinel_catches_pages_outside_the_pool():
+    a = PageAllocator(8, 4)
+    assert "outside" in check_block_table(a, 7, [99], [0], 0, 0, 1)

@@ -1,0 +1,103 @@
+"""Our paged forward pass against Hugging Face transformers on the same weights."""
+from collections import defaultdict
+
+import pytest
+import torch
+
+from kvfence import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three prime numbers:",
+    "Translate 'good morning' into Spanish:",
+    "The quick brown fox",
+    "In 1969, Neil Armstrong",
+    "Water boils at",
+    "A recipe for pancakes needs",
+    "The largest planet in the solar system is",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Q: What is 12 times 12?\nA:",
+    "My favourite colour is blue because",
+    "Photosynthesis is the process by which",
+    "Once upon a time, in a small village,",
+    "The three laws of robotics are",
+    "SELECT name FROM users WHERE",
+    "Dear hiring manager,",
+    "The meaning of life is",
+    "Rust and Python differ in that",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "Le chat est",
+]
+
+
+def record_logits(llm: LLM) -> dict[str, list[torch.Tensor]]:
+    """Keeps every logits row the engine samples from, per request."""
+    recorded = defaultdict(list)
+    run = llm.engine.runner.run
+
+    def spy(batch):
+        logits, sampled = run(batch)
+        for row, req in zip(logits, sampled):
+            recorded[req.parent_id].append(row.clone())
+        return logits, sampled
+
+    llm.engine.runner.run = spy
+    return recorded
+
+
+def hf_logits(hf_model, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
+    """HF logits at the positions where our engine sampled each output token."""
+    ids = torch.tensor([prompt_ids + output_ids[:-1]])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0]
+    return logits[len(prompt_ids) - 1:]
+
+
+def compare_batched(llm, hf_model, prompts, max_tokens, atol):
+    recorded = record_logits(llm)
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    for res in results:
+        ours = torch.stack(recorded[res.request_id])
+        ref = hf_logits(hf_model, res.prompt_token_ids, res.outputs[0].token_ids)
+        assert ours.shape == ref.shape
+        torch.testing.assert_close(ours, ref, atol=atol, rtol=0)
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tiny_model_logits_match_transformers(arch, request):
+    """Prefill in chunks and decode, batched with prompts of other lengths, page size 5."""
+    from transformers import AutoModelForCausalLM
+
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    llm = LLM(str(path), page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    prompts = ["hello", "a longer prompt that will need several chunks of prefill to get through", "x y z w"]
+    compare_batched(llm, hf, prompts, max_tokens=6, atol=1e-4)
+
+
+def test_default_model_logits_match_transformers(hf_reference):
+    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2)
+    prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]  # 6, ~60 and ~20 tokens: chunked, 7 never divides
+    compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=2e-3)
+
+
+def test_greedy_continuations_match_transformers(real_llm, hf_reference):
+    tok = real_llm.tokenizer
+    results = real_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    for prompt, res in zip(PROMPTS, results):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        ref = []
+        with torch.no_grad():  # plain greedy loop: HF generate would stop at EOS, we ignore it
+            for _ in range(12):
+                ref.append(int(hf_reference(torch.tensor([ids + ref])).logits[0, -1].argmax()))
+        assert res.outputs[0].token_ids == ref, prompt
+
+
+def test_chat_answers_like_the_reference(real_llm):
+    out = real_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+    assert out.finish_reason == "stop"

@@ -1,0 +1,98 @@
+"""Sampling parameters, stop handling, logprobs and detokenization on the real model."""
+import math
+
+import torch
+
+from kvfence import SamplingParams
+from kvfence.model.tokenizer import IncrementalDetokenizer
+
+PROMPT = "Write a short story about a robot who learns to paint."
+
+
+def one(llm, prompt=PROMPT, **params):
+    return llm.generate(prompt, SamplingParams(**params))[0].outputs
+
+
+def test_seed_reproduces_exactly(real_llm):
+    a = one(real_llm, temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)[0]
+    b = one(real_llm, temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)[0]
+    c = one(real_llm, temperature=1.0, top_p=0.9, seed=4321, max_tokens=24)[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+
+
+def test_top_k_one_is_greedy(real_llm):
+    greedy = one(real_llm, temperature=0, max_tokens=16)[0]
+    topk1 = one(real_llm, temperature=1.5, top_k=1, seed=7, max_tokens=16)[0]
+    assert greedy.token_ids == topk1.token_ids
+
+
+def test_max_tokens_and_ignore_eos(real_llm):
+    out = one(real_llm, "Say yes.", temperature=0, max_tokens=40, ignore_eos=True)[0]
+    assert len(out.token_ids) == 40 and out.finish_reason == "length"
+    eos = real_llm.tokenizer.eos_token_id
+    stopped = one(real_llm, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n",
+                  temperature=0, max_tokens=40)[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
+
+
+def test_stop_strings_cut_the_text(real_llm):
+    full = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=20)[0]
+    assert " 5," in full.text
+    cut = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=20, stop=[" 5,"])[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index(" 5,")]
+
+
+def test_stop_token_ids(real_llm):
+    full = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=10)[0]
+    stop_at = full.token_ids[3]
+    cut = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=10, stop_token_ids=[stop_at])[0]
+    assert cut.token_ids == full.token_ids[:full.token_ids.index(stop_at) + 1]
+    assert cut.finish_reason == "stop"
+
+
+def test_penalties_reduce_repetition(real_llm):
+    prompt = "Repeat after me: hello hello hello hello hello"
+    plain = one(real_llm, prompt, temperature=0, max_tokens=32, ignore_eos=True)[0]
+    penalized = one(real_llm, prompt, temperature=0, max_tokens=32, ignore_eos=True,
+                    frequency_penalty=1.5, presence_penalty=1.0)[0]
+    distinct = lambda ids: len(set(ids))  # noqa: E731
+    assert distinct(penalized.token_ids) > distinct(plain.token_ids)
+
+
+def test_n_completions_with_seed(real_llm):
+    outs = one(real_llm, temperature=1.0, n=3, seed=5, max_tokens=12)
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    again = one(real_llm, temperature=1.0, n=3, seed=5, max_tokens=12)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in again]
+
+
+def test_logprobs_with_top_alternatives(real_llm):
+    out = one(real_llm, "The capital of France is", temperature=0, max_tokens=5, logprobs=3)[0]
+    assert len(out.logprobs) == 5
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert entry["token_id"] == token and len(entry["top"]) == 3
+        assert entry["top"][0][0] == token  # greedy picks the most likely token
+        assert math.isclose(entry["top"][0][1], entry["logprob"], abs_tol=1e-6)
+        assert entry["logprob"] <= 0 and sum(math.exp(lp) for _, lp in entry["top"]) <= 1.0 + 1e-5
+
+
+def test_detokenizer_never_splits_a_character(tokenizer):
+    text = "naïve café — 日本語のテキスト 🎉🚀 emoji, Ελληνικά, and done."
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_batch_invariance_alone_or_among_63_others(real_llm):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    target = "Explain why the sky is blue in two sentences."
+    alone = real_llm.generate(target, params)[0].outputs[0].token_ids
+    torch.manual_seed(0)
+    fillers = [f"Item {i}: " + " ".join(["word"] * int(torch.randint(1, 120, ()))) for i in range(63)]
+    crowd = real_llm.generate(fillers[:31] + [target] + fillers[31:], params)
+    assert crowd[31].outputs[0].token_ids == alone
