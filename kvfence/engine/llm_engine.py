@@ -15,6 +15,7 @@ from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model, resolve_model_path
 from kvfence.model.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -38,7 +39,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device)
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
-        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release)
+        self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
+        self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
+                                   self.prefix_cache)
         self.runner = ModelRunner(LlamaModel(model_config, weights, config.device), self.pool, self.allocator,
                                   config.kv_sentinel, config.min_batch_rows)
         self.generator = torch.Generator().manual_seed(config.seed)
@@ -110,12 +113,20 @@ class LLMEngine:
 
     def release(self, req: Request) -> None:
         """Gives back every page a request holds. The only place pages are freed."""
-        freed = self.allocator.free_owner(req.owner, req.block_table[:req.num_shared_pages])
-        if self.config.kv_scrub == "on-free":
-            self.pool.scrub(freed)
+        if req.num_shared_pages:
+            self.prefix_cache.release(req.block_table[:req.num_shared_pages])
+        self._scrub(self.allocator.free_owner(req.owner))
         req.block_table.clear()
         req.page_generations.clear()
         req.num_shared_pages = 0
+
+    def _scrub(self, pages: list[int]) -> None:
+        if self.config.kv_scrub == "on-free":
+            self.pool.scrub(pages)
+
+    def prefix_cache_stats(self) -> dict:
+        c = self.prefix_cache
+        return {"queried": c.queried_tokens if c else 0, "hits": c.hit_tokens if c else 0}
 
     def _finish(self, req: Request, state: RequestState, error: str | None = None) -> None:
         self.scheduler.remove(req)
@@ -155,8 +166,12 @@ class LLMEngine:
             return outputs
         logits, sampled = self.runner.run(batch)
         for req, n in batch:
-            if req.num_computed_tokens < len(req.prompt_token_ids):
-                req.num_prompt_tokens_computed += min(n, len(req.prompt_token_ids) - req.num_computed_tokens)
+            n_prompt = len(req.prompt_token_ids)
+            if req.num_computed_tokens < n_prompt:
+                req.num_prompt_tokens_computed += min(n, n_prompt - req.num_computed_tokens)
+                if self.prefix_cache and req.num_computed_tokens + n >= n_prompt:
+                    req.num_shared_pages = self.prefix_cache.insert(
+                        req.tenant, req.owner, req.prompt_token_ids, req.block_table, req.num_shared_pages)
             req.num_computed_tokens += n
         for req, (token, logprob) in zip(sampled, sample(logits, sampled, self.generator)):
             self._append_token(req, token, logprob)

@@ -53,6 +53,7 @@ class Request:
     page_generations: list[int] = field(default_factory=list)
     num_shared_pages: int = 0  # leading block-table pages borrowed from the prefix cache
     num_cached_tokens: int = 0
+    prefix_checked: bool = False  # looked up in the prefix cache since last (re)admission
     logprobs: list[dict] = field(default_factory=list)
     generator: torch.Generator | None = None
     error: str | None = None

@@ -10,11 +10,14 @@ from collections import deque
 
 from kvfence.engine.request import Request, RequestState
 from kvfence.kv.allocator import PageAllocator
+from kvfence.kv.prefix_cache import PrefixCache
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, release):
+    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, release,
+                 prefix_cache: PrefixCache | None = None):
         self.allocator = allocator
+        self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.release = release  # frees a request's pages (the engine owns the free path)
@@ -61,9 +64,10 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            self._attach_cached_prefix(req)
             n = min(req.num_uncomputed_tokens, budget)
             needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.block_table)
-            if needed + self.watermark > self.allocator.num_free or not self._reserve(req, n):
+            if needed + self.watermark > self._available() or not self._reserve(req, n):
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -72,12 +76,28 @@ class Scheduler:
             budget -= n
         return batch
 
+    def _available(self) -> int:
+        evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return self.allocator.num_free + evictable
+
+    def _attach_cached_prefix(self, req: Request) -> None:
+        if self.prefix_cache is None or req.prefix_checked or req.block_table:
+            return
+        req.prefix_checked = True
+        pages = self.prefix_cache.lookup(req.tenant, req.all_token_ids)
+        req.block_table.extend(pages)
+        req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
+        req.num_shared_pages = len(pages)
+        req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.allocator.page_size
+
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         needed = self.allocator.pages_for(req.num_computed_tokens + num_tokens) - len(req.block_table)
         if needed <= 0:
             return True
-        if needed > self.allocator.num_free:
+        if needed > self._available():
             return False
+        if needed > self.allocator.num_free:
+            self.prefix_cache.evict(needed - self.allocator.num_free)
         pages = self.allocator.allocate(req.owner, needed)
         req.block_table.extend(pages)
         req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
@@ -87,6 +107,7 @@ class Scheduler:
         self.running.remove(req)
         self.release(req)
         req.num_computed_tokens = 0
+        req.prefix_checked = False
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.set_state(RequestState.PREEMPTED)

@@ -2,8 +2,9 @@
 
 Every page is free or has exactly one owner: a request (its integer owner id) or the
 prefix cache (PREFIX_OWNER, with a reference count of the requests that read it). Each
-free bumps the page's generation, so a block table entry granted before a free can never
-pass for a current one. `written` counts the slots of a page its owner has filled, so
+free gives the page a fresh generation from one counter for the whole pool, so every
+(page, generation) pair names one page lifetime: an entry granted before a free, or an
+entry copied from another request's table, never matches what was recorded at grant. `written` counts the slots of a page its owner has filled, so
 nobody can read a slot that was not written for them.
 """
 from collections import deque
@@ -23,7 +24,8 @@ class PageAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.owner = np.full(num_pages, FREE, dtype=np.int64)
-        self.generation = np.zeros(num_pages, dtype=np.int64)
+        self.generation = np.arange(num_pages, dtype=np.int64)
+        self._next_generation = num_pages
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.refcount = np.zeros(num_pages, dtype=np.int64)
         self._free = deque(range(num_pages))
@@ -50,13 +52,10 @@ class PageAllocator:
             self.written[p] = 0
         return pages
 
-    def free_owner(self, owner: int, shared_pages: list[int]) -> list[int]:
-        """Releases every page the records say `owner` holds, plus its references to shared
-        prefix pages; returns the pages that went back to the free list. Going by the
+    def free_owner(self, owner: int) -> list[int]:
+        """Releases every page the records say `owner` holds; returns them. Going by the
         records rather than the request's block table means a corrupted table can neither
         leak a page nor free someone else's."""
-        for p in shared_pages:
-            self.release_shared(p)
         released = np.nonzero(self.owner == owner)[0].tolist()
         for p in released:
             self._release(p)
@@ -64,7 +63,8 @@ class PageAllocator:
 
     def _release(self, page: int) -> None:
         self.owner[page] = FREE
-        self.generation[page] += 1
+        self.generation[page] = self._next_generation
+        self._next_generation += 1
         self.written[page] = 0
         self.refcount[page] = 0
         self._free.append(page)

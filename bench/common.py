@@ -1,0 +1,51 @@
+"""Shared pieces of the benchmarks: the seeded workload, the matmul peak, the machine line."""
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+
+def machine_line() -> str:
+    cpu = platform.processor() or "unknown cpu"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+
+
+def mixed_workload(num_requests: int, seed: int, vocab: int = 49152, prompt=(32, 512), output=(32, 256)):
+    """(prompt token ids, output length) pairs; token ids avoid the first 100 (special) ids."""
+    rng = random.Random(seed)
+    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
+            for _ in range(num_requests)]
+
+
+def matmul_peak_gflops(repeats: int = 20) -> float:
+    """Best fp32 GFLOP/s over a few GEMM shapes of this model's size and larger."""
+    best = 0.0
+    with torch.inference_mode():
+        for m, k, n in [(1024, 576, 1536), (2048, 2048, 2048), (512, 576, 49152 // 4)]:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+            for _ in range(3):
+                torch.matmul(a, b)
+            times = []
+            for _ in range(repeats):
+                t = time.perf_counter()
+                torch.matmul(a, b)
+                times.append(time.perf_counter() - t)
+            best = max(best, 2 * m * n * k / statistics.median(times) / 1e9)
+    return best
+
+
+def flops_per_token(cfg, with_lm_head: bool = True) -> float:
+    """Matmul FLOPs of one token through the model (attention scores excluded)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    total = cfg.num_layers * per_layer + (cfg.vocab_size * h if with_lm_head else 0)
+    return 2.0 * total

@@ -1,0 +1,112 @@
+"""Runs the engine loop in its own thread and hands each request's outputs to asyncio.
+
+Torch releases the GIL inside its kernels, so HTTP handling on the event loop and the
+engine's steps overlap; the engine only ever runs on this one thread.
+"""
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvfence.server")
+
+
+class Overloaded(Exception):
+    """Too many requests in flight; the client should retry later."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    offset: int  # choice index of this prompt's first completion
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_pending: int):
+        self.engine = engine
+        self.max_pending = max_pending
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, tenant: str) -> AsyncIterator[
+            tuple[int, RequestOutput]]:
+        """Yields (choice index, output) until every completion of every prompt finished.
+        Leaving early (client gone, error) aborts whatever is still running."""
+        for prompt in prompts:
+            self.engine.validate(prompt, params)  # fail fast, before anything is queued
+        with self._lock:
+            if self._in_flight + len(prompts) > self.max_pending:
+                raise Overloaded(f"{self._in_flight} requests in flight, the limit is {self.max_pending}")
+            self._in_flight += len(prompts)
+        loop = asyncio.get_running_loop()
+        out_queue: asyncio.Queue = asyncio.Queue()
+        ids = [f"{uuid.uuid4().hex}" for _ in prompts]
+        remaining = len(prompts) * params.n
+        try:
+            for i, (rid, prompt) in enumerate(zip(ids, prompts)):
+                self._streams[rid] = _Stream(loop, out_queue, i * params.n)
+                self._inbox.put(("add", rid, prompt, params, tenant))
+            while remaining:
+                index, item = await out_queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    remaining -= 1
+                yield index, item
+        finally:
+            for rid in ids:
+                if self._streams.pop(rid, None) is not None and remaining:
+                    self._inbox.put(("abort", rid))
+            with self._lock:
+                self._in_flight -= len(prompts)
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        index = stream.offset + (item.index if isinstance(item, RequestOutput) else 0)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (index, item))
+
+    def _handle(self, message: tuple) -> None:
+        kind, rid, *rest = message
+        if kind == "abort":
+            self.engine.abort(rid)
+            return
+        prompt, params, tenant = rest
+        try:
+            self.engine.add_request(prompt, params, request_id=rid, tenant=tenant)
+        except Exception as e:  # noqa: BLE001 - the error goes back to the waiting client
+            self._deliver(rid, e)
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                if not self.engine.has_unfinished():
+                    self._handle(self._inbox.get())
+                while not self._inbox.empty():
+                    self._handle(self._inbox.get_nowait())
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+            except Exception:  # noqa: BLE001 - fail every live request loudly, keep serving
+                log.exception("engine step failed; failing the requests in flight")
+                for rid in list(self.engine.requests):
+                    for out in self.engine.abort(rid):
+                        out.error = "internal error in the engine step"
+                        out.finish_reason = "error"
+                        self._deliver(rid, out)
