@@ -55,6 +55,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ipaddress
+
+    import uvicorn
+
+    from kvfence.engine.llm_engine import LLMEngine
+    from kvfence.model.loader import resolve_model_path
+    from kvfence.server.api import Server, create_app
+    from kvfence.server.auth import ApiKeys
+
+    log = logging.getLogger("kvfence.server")
+    keys = ApiKeys.from_file(args.api_keys) if args.api_keys else ApiKeys()
+    try:
+        public = not ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        public = args.host != "localhost"
+    if public and not keys.enabled:
+        log.warning("WARNING: serving on %s without API keys: anyone who can reach this address can use the "
+                    "model. Pass --api-keys FILE.", args.host)
+    config = engine_config(args)
+    resolve_model_path(config.model)  # a bad path fails here, before the server starts
+
+    def build() -> Server:
+        return Server(LLMEngine(config), keys, args.served_model_name, args.max_pending, args.max_body_bytes)
+
+    uvicorn.run(create_app(build), host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -71,6 +100,17 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_generate)
 
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help='JSON file {"KEY": "tenant", ...}; every request then needs a key')
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
+    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body accepted")
+    p.add_argument("--role", choices=["unified"], default="unified")
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -82,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         from kvfence.engine.sampling_params import InvalidRequest
         from kvfence.model.loader import ModelLoadError
 
-        if isinstance(e, (ModelLoadError, InvalidRequest)):
+        if isinstance(e, (ModelLoadError, InvalidRequest, ValueError)):
             print(f"kvfence: {e}", file=sys.stderr)
             return 2
         raise

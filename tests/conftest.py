@@ -73,3 +73,85 @@ def assert_pool_empty(engine):
     assert engine.scheduler.num_unfinished == 0
     assert not (a.owner >= 0).any(), f"pages still owned by requests: {(a.owner >= 0).nonzero()[0].tolist()}"
     assert not a.refcount.any(), "prefix-cache pages still referenced"
+
+
+TENANT_KEYS = {"sk-alice-0123456789": "alice", "sk-bob-9876543210": "bob"}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path, *args, env=None):
+    """Starts `kvfence serve` (or another subcommand) as a real process; returns (process, base URL)."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    log = open(tmp_path / f"server-{port}.log", "w")
+    cmd = [sys.executable, "-m", "kvfence.cli", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {(tmp_path / f'server-{port}.log').read_text()[-3000:]}")
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def stop_server(proc):
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except Exception:  # noqa: BLE001
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    """A real `kvfence serve` process with two tenants' API keys."""
+    import json
+
+    tmp = tmp_path_factory.mktemp("server")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps(TENANT_KEYS))
+    proc, base = start_server(tmp, "serve", "--api-keys", str(keys), "--max-model-len", "1024",
+                              "--num-kv-pages", "640", "--max-pending", "72", "--threads", "2",
+                              "--served-model-name", "smollm2")
+    yield base
+    stop_server(proc)
+
+
+def metric(base: str, name: str) -> float:
+    """Reads one unlabelled sample from /metrics."""
+    import httpx
+
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{}"):
+            return float(line.rsplit(" ", 1)[1])
+    raise KeyError(name)
+
+
+def wait_for_idle_pool(base: str, timeout: float = 30) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(base, "kvfence_kv_pages_in_use_by_requests") == 0 and metric(base, "kvfence_requests_running") == 0:
+            return
+        time.sleep(0.2)
+    raise AssertionError("KV pages still held by requests")

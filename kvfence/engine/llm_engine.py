@@ -227,7 +227,7 @@ class LLMEngine:
             request_id=req.parent_id, index=req.index, prompt_token_ids=req.prompt_token_ids,
             token_ids=list(req.output_token_ids), text=req.text[:end], delta_text=delta,
             delta_token_ids=new_tokens, finished=req.is_terminal, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=req.logprobs, error=req.error,
+            stop_reason=req.stop_reason, logprobs=list(req.logprobs), error=req.error,
             num_cached_tokens=req.num_cached_tokens)
 
     def _log_finish(self, req: Request) -> None:

@@ -8,7 +8,6 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvfence.engine.llm_engine import LLMEngine
@@ -44,37 +43,27 @@ class AsyncEngine:
     def in_flight(self) -> int:
         return self._in_flight
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, tenant: str) -> AsyncIterator[
-            tuple[int, RequestOutput]]:
-        """Yields (choice index, output) until every completion of every prompt finished.
-        Leaving early (client gone, error) aborts whatever is still running."""
+    def submit(self, prompts: list[list[int]], params: SamplingParams, tenant: str) -> "RequestHandle":
+        """Admits the prompts or raises (InvalidRequest, Overloaded) before anything is queued."""
         for prompt in prompts:
-            self.engine.validate(prompt, params)  # fail fast, before anything is queued
+            self.engine.validate(prompt, params)
         with self._lock:
             if self._in_flight + len(prompts) > self.max_pending:
                 raise Overloaded(f"{self._in_flight} requests in flight, the limit is {self.max_pending}")
             self._in_flight += len(prompts)
-        loop = asyncio.get_running_loop()
-        out_queue: asyncio.Queue = asyncio.Queue()
-        ids = [f"{uuid.uuid4().hex}" for _ in prompts]
-        remaining = len(prompts) * params.n
-        try:
-            for i, (rid, prompt) in enumerate(zip(ids, prompts)):
-                self._streams[rid] = _Stream(loop, out_queue, i * params.n)
-                self._inbox.put(("add", rid, prompt, params, tenant))
-            while remaining:
-                index, item = await out_queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield index, item
-        finally:
-            for rid in ids:
-                if self._streams.pop(rid, None) is not None and remaining:
-                    self._inbox.put(("abort", rid))
-            with self._lock:
-                self._in_flight -= len(prompts)
+        handle = RequestHandle(self, [uuid.uuid4().hex for _ in prompts], len(prompts) * params.n)
+        for i, (rid, prompt) in enumerate(zip(handle.ids, prompts)):
+            self._streams[rid] = _Stream(handle.loop, handle.queue, i * params.n)
+            self._inbox.put(("add", rid, prompt, params, tenant))
+        return handle
+
+    def _close(self, handle: "RequestHandle") -> None:
+        for rid in handle.ids:
+            self._streams.pop(rid, None)
+            if handle.remaining:
+                self._inbox.put(("abort", rid))
+        with self._lock:
+            self._in_flight -= len(handle.ids)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
@@ -110,3 +99,30 @@ class AsyncEngine:
                         out.error = "internal error in the engine step"
                         out.finish_reason = "error"
                         self._deliver(rid, out)
+
+
+class RequestHandle:
+    """One submitted API request (one or more prompts, n completions each)."""
+
+    def __init__(self, engine: AsyncEngine, ids: list[str], num_completions: int):
+        self.engine = engine
+        self.ids = ids
+        self.remaining = num_completions
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput]:
+        """The next (choice index, output); raises TimeoutError after `timeout` seconds."""
+        index, item = await asyncio.wait_for(self.queue.get(), timeout)
+        if isinstance(item, Exception):
+            raise item
+        if item.finished:
+            self.remaining -= 1
+        return index, item
+
+    def close(self) -> None:
+        """Ends the request; whatever is still running is aborted and its pages freed."""
+        if not self.closed:
+            self.closed = True
+            self.engine._close(self)

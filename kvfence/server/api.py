@@ -1,0 +1,380 @@
+"""The OpenAI-compatible HTTP API."""
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.output import RequestOutput
+from kvfence.engine.sampling_params import InvalidRequest
+from kvfence.model.tokenizer import apply_chat_template
+from kvfence.server.async_engine import AsyncEngine, Overloaded, RequestHandle
+from kvfence.server.auth import ApiKeys
+from kvfence.server.metrics import Metrics
+from kvfence.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     TokenizeRequest)
+
+log = logging.getLogger("kvfence.server")
+MAX_PROMPTS_PER_REQUEST = 64
+DISCONNECT_POLL_S = 0.5
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _check_encodable(value, path: str = "") -> None:
+    """JSON may carry lone surrogates (\\ud800) that no tokenizer can take."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, f"field '{path or 'body'}' is not valid Unicode (lone surrogate)",
+                           param=path or None, code="invalid_encoding") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_encodable(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_encodable(v, f"{path}[{i}]")
+
+
+def _is_union_tag(loc_item) -> bool:
+    """Pydantic names the union member it tried in an error's location ('str', 'list[int]')."""
+    return isinstance(loc_item, str) and (loc_item in {"str", "int", "float", "bool"} or "[" in loc_item)
+
+
+async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type != "application/json":
+        raise APIError(415, f"Content-Type must be application/json, not '{content_type or 'none'}'",
+                       code="unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(413, f"request body over the {max_bytes}-byte limit", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(413, f"request body over the {max_bytes}-byte limit", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        data = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    _check_encodable(data)
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
+        raise APIError(400, f"invalid field '{param}': {err['msg']}", param=param, code="invalid_type") from None
+
+
+class Server:
+    def __init__(self, engine: LLMEngine, api_keys: ApiKeys, served_model_name: str | None = None,
+                 max_pending: int = 256, max_body_bytes: int = 4 * 1024 * 1024):
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine, max_pending)
+        self.api_keys = api_keys
+        self.model_name = served_model_name or engine.model_name
+        self.max_body_bytes = max_body_bytes
+        self.metrics = Metrics(lambda: engine)
+        self.tokenizer = engine.tokenizer
+
+    # --- request handling helpers ---------------------------------------------------------
+
+    def tenant(self, request: Request) -> str:
+        tenant = self.api_keys.tenant_for(request.headers.get("authorization"))
+        if tenant is None:
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+        return tenant
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    async def tokenize_prompts(self, prompt) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            prompts = [prompt]
+        else:
+            prompts = list(prompt)
+        if not prompts:
+            raise APIError(400, "the prompt is empty", param="prompt", code="invalid_request")
+        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
+            raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", param="prompt")
+        texts = [p for p in prompts if isinstance(p, str)]
+        if any(len(t) > self.max_body_bytes for t in texts):
+            raise APIError(400, "prompt too long", param="prompt", code="context_length_exceeded")
+        return [await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p) for p in prompts]
+
+    def start(self, prompts, params, tenant) -> RequestHandle:
+        try:
+            return self.async_engine.submit(prompts, params, tenant)
+        except InvalidRequest as e:
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
+        except Overloaded as e:
+            raise APIError(429, f"server busy: {e}; retry shortly", type="rate_limit_error",
+                           code="too_many_requests", headers={"Retry-After": "1"}) from None
+
+    async def outputs(self, handle: RequestHandle, request: Request):
+        """Yields (index, output) until done; stops (aborting the rest) if the client leaves."""
+        started = last = time.monotonic()
+        first = True
+        try:
+            while handle.remaining:
+                try:
+                    index, out = await handle.next(DISCONNECT_POLL_S)
+                except (TimeoutError, asyncio.TimeoutError):
+                    if await request.is_disconnected():
+                        return
+                    continue
+                now = time.monotonic()
+                if out.delta_token_ids:
+                    (self.metrics.ttft if first else self.metrics.itl).observe(now - (started if first else last))
+                    first, last = False, now
+                yield index, out
+            self.metrics.e2e.observe(time.monotonic() - started)
+        finally:
+            handle.close()
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion_logprobs(self, entries: list[dict], offset: int) -> dict:
+        tokens = [self.token_text(e["token_id"]) for e in entries]
+        offsets, pos = [], offset
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+                "top_logprobs": [{self.token_text(i): lp for i, lp in e["top"]} for e in entries],
+                "text_offset": offsets}
+
+    def chat_logprobs(self, entries: list[dict]) -> dict:
+        def item(token_id, logprob):
+            text = self.token_text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
+                            for e in entries]}
+
+    @staticmethod
+    def raise_if_failed(out: RequestOutput) -> None:
+        if out.error:
+            raise APIError(500, out.error, type="internal_error", code="request_failed")
+
+    @staticmethod
+    def usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
+        prompt_tokens = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def create_app(server_factory: Callable[[], Server]) -> FastAPI:
+    """The app; `server_factory` loads the model and runs before the first request is accepted."""
+    from contextlib import asynccontextmanager
+
+    holder: dict[str, Server] = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        holder["server"] = await asyncio.to_thread(server_factory)
+        yield
+
+    app = FastAPI(title="kvfence", lifespan=lifespan)
+
+    def srv() -> Server:
+        return holder["server"]
+
+    def tenant(request: Request) -> str:
+        return srv().tenant(request)
+
+    def error_response(err: APIError) -> JSONResponse:
+        if "server" in holder:
+            srv().metrics.http_errors.labels(str(err.status), err.code or err.type).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, err: APIError):
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, err: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
+        return error_response(APIError(err.status_code, str(err.detail), code=code))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, err: Exception):
+        log.exception("unexpected error")
+        return error_response(APIError(500, "internal server error", type="internal_error", code="internal_error"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(srv().metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(tenant: str = Depends(tenant)):
+        s = srv()
+        return {"object": "list", "data": [{
+            "id": s.model_name, "object": "model", "created": 0, "owned_by": "kvfence",
+            "max_model_len": s.engine.max_model_len, "kv_pool_tokens": s.engine.pool.capacity_tokens}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request, tenant: str = Depends(tenant)):
+        s = srv()
+        body = await parse_body(request, TokenizeRequest, s.max_body_bytes)
+        s.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
+        text = body.prompt if body.prompt is not None else apply_chat_template(
+            s.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        tokens = await asyncio.to_thread(s.engine.tokenize, text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request, tenant: str = Depends(tenant)):
+        s = srv()
+        body = await parse_body(request, DetokenizeRequest, s.max_body_bytes)
+        s.check_model(body.model)
+        vocab = s.engine.model_config.vocab_size
+        if not all(0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": s.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, tenant: str = Depends(tenant)):
+        s = srv()
+        body = await parse_body(request, CompletionRequest, s.max_body_bytes)
+        s.check_model(body.model)
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = await s.tokenize_prompts(body.prompt)
+        handle = s.start(prompts, body.sampling_params(), tenant)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream_completion(s, handle, request, head, prompts, include_usage),
+                                     media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in s.outputs(handle, request):
+            s.raise_if_failed(out)
+            if out.finished:
+                finals[index] = out
+        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                    "logprobs": s.completion_logprobs(o.logprobs, 0) if body.logprobs is not None else None}
+                   for i, o in sorted(finals.items())]
+        completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        cached = sum(o.num_cached_tokens for o in finals.values())
+        return {**head, "choices": choices, "usage": s.usage(prompts, completion_tokens, cached)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, tenant: str = Depends(tenant)):
+        s = srv()
+        body = await parse_body(request, ChatCompletionRequest, s.max_body_bytes)
+        s.check_model(body.model)
+        try:
+            text = apply_chat_template(s.tokenizer, body.conversation())
+        except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        prompts = await s.tokenize_prompts(text)
+        handle = s.start(prompts, body.sampling_params(), tenant)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": s.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_stream_chat(s, handle, request, head, prompts, include_usage, body.logprobs),
+                                     media_type="text/event-stream")
+        finals: dict[int, RequestOutput] = {}
+        async for index, out in s.outputs(handle, request):
+            s.raise_if_failed(out)
+            if out.finished:
+                finals[index] = out
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": s.chat_logprobs(o.logprobs) if body.logprobs else None,
+                    "finish_reason": o.finish_reason} for i, o in sorted(finals.items())]
+        completion_tokens = sum(len(o.token_ids) for o in finals.values())
+        cached = sum(o.num_cached_tokens for o in finals.values())
+        return {**head, "choices": choices, "usage": s.usage(prompts, completion_tokens, cached)}
+
+    return app
+
+
+async def _stream(s: Server, handle, request, head, prompts, include_usage, chunk_for):
+    """Server-sent events: one chunk per output, an error event if a request fails, usage, [DONE]."""
+    completion_tokens, cached = 0, {}
+    async for index, out in s.outputs(handle, request):
+        if out.error:
+            yield _sse(APIError(500, out.error, type="internal_error", code="request_failed").body())
+            handle.close()
+            break
+        completion_tokens += len(out.delta_token_ids)
+        cached[index] = out.num_cached_tokens
+        for choice in chunk_for(index, out):
+            yield _sse({**head, "choices": [choice]})
+    else:
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": s.usage(prompts, completion_tokens, sum(cached.values()))})
+    yield "data: [DONE]\n\n"
+
+
+def _stream_completion(s, handle, request, head, prompts, include_usage):
+    head = {**head}
+
+    def chunks(index, out):
+        logprobs = s.completion_logprobs(out.logprobs[-len(out.delta_token_ids):], 0) \
+            if out.logprobs and out.delta_token_ids else None
+        if out.delta_text or out.finished or logprobs:
+            yield {"index": index, "text": out.delta_text, "logprobs": logprobs,
+                   "finish_reason": out.finish_reason if out.finished else None}
+
+    return _stream(s, handle, request, head, prompts, include_usage, chunks)
+
+
+def _stream_chat(s, handle, request, head, prompts, include_usage, want_logprobs):
+    head = {**head, "object": "chat.completion.chunk"}
+    opened: set[int] = set()
+
+    def chunks(index, out):
+        if index not in opened:
+            opened.add(index)
+            yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                   "finish_reason": None}
+        logprobs = s.chat_logprobs(out.logprobs[-len(out.delta_token_ids):]) \
+            if want_logprobs and out.delta_token_ids else None
+        if out.delta_text or logprobs:
+            yield {"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs, "finish_reason": None}
+        if out.finished:
+            yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+
+    return _stream(s, handle, request, head, prompts, include_usage, chunks)
