@@ -84,6 +84,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvfence.audit.auditor import AuditError, Auditor, format_report
+
+    auditor = Auditor(args.base_url, args.api_key, args.model, args.max_model_len, args.pool_tokens, args.canaries,
+                      args.concurrency, progress=not args.json, seed=args.seed)
+    try:
+        report = asyncio.run(auditor.run())
+    except AuditError as e:
+        print(f"kvfence audit: could not run: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    return 1 if report.findings else 0
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from kvfence.audit.check_config import ConfigInputError, check, format_report, load_model_config
+
+    try:
+        model = load_model_config(args.model_config)
+        engine_args = args.engine_args[1:] if args.engine_args[:1] == ["--"] else args.engine_args
+        report = check(args.engine, engine_args, model, args.accelerator_memory_gib, args.weights_gib)
+    except ConfigInputError as e:
+        print(f"kvfence check-config: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        from dataclasses import asdict
+
+        print(json.dumps({**asdict(report), "ok": report.ok}, indent=2))
+    else:
+        print(format_report(report))
+    return 0 if report.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvfence", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,8 +146,32 @@ def main(argv: list[str] | None = None) -> int:
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("audit", help="black-box leak and consistency audit of an OpenAI-compatible server")
+    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--api-key", action="append", default=[], help="repeat for several tenants")
+    p.add_argument("--model", default=None, help="model id (default: the first listed)")
+    p.add_argument("--max-model-len", type=int, default=None, help="if the server does not report it")
+    p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size in tokens, if known")
+    p.add_argument("--canaries", type=int, default=24, help="concurrent canary requests")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("check-config", help="check KV pool capacity against the advertised context",
+                       description="kvfence check-config [--engine E] [--model-config F] -- ENGINE_ARGS...")
+    p.add_argument("--engine", choices=["kvfence", "vllm", "sglang"], default="kvfence")
+    p.add_argument("--model-config", default=None, help="config.json, model directory or GGUF file "
+                   "(default: the embedded model)")
+    p.add_argument("--accelerator-memory-gib", type=float, default=None, help="memory of one accelerator")
+    p.add_argument("--weights-gib", type=float, default=None, help="model weights, all shards together")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("engine_args", nargs=argparse.REMAINDER, help="the engine's launch arguments, after --")
+    p.set_defaults(func=cmd_check_config)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
     except ConfigError as e:

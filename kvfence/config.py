@@ -52,7 +52,8 @@ class EngineConfig:
             raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
         if self.kv_scrub not in ("off", "on-free"):
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
-        check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
+        if self.inject_fault is None:
+            check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
 
 
 def check_capacity(num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int) -> None:

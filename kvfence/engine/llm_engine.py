@@ -6,6 +6,7 @@ import uuid
 
 import torch
 
+from kvfence import faults
 from kvfence.config import EngineConfig
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import RequestOutput
@@ -33,6 +34,8 @@ class LLMEngine:
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
         model_config, weights = load_model(self.model_path, progress=progress)
         config.resolve(model_config)
+        if config.inject_fault:
+            faults.warn_at_start()
         self.model_config = model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = {t for t in [self.tokenizer.eos_token_id] if t is not None}
@@ -57,6 +60,8 @@ class LLMEngine:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Checks a request before anything is allocated; returns its max_tokens.
         Raises InvalidRequest with a reason the caller can act on."""
+        if faults.oversized(self, prompt_token_ids, params):
+            return 1  # the injected fault lets it through to add_request
         try:
             return self._validate(prompt_token_ids, params)
         except InvalidRequest as e:
@@ -93,10 +98,15 @@ class LLMEngine:
                     request_id: str | None = None, tenant: str = "default") -> list[Request]:
         params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self.validate(prompt_ids, params)
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id} is already in use", "request_id")
+        if faults.oversized(self, prompt_ids, params):
+            req = faults.admit_placeholder(self, prompt_ids, params, request_id, tenant)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens)
+            self.requests[request_id] = [req]
+            return [req]
+        max_tokens = self.validate(prompt_ids, params)
         children = []
         for i in range(params.n):
             req = Request(request_id=f"{request_id}-{i}", prompt_token_ids=prompt_ids, parent_id=request_id,

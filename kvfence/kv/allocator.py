@@ -28,7 +28,8 @@ class PageAllocator:
         self._next_generation = num_pages
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.refcount = np.zeros(num_pages, dtype=np.int64)
-        self._free = deque(range(num_pages))
+        # A stack: the most recently freed pages, still warm in cache, are reused first.
+        self._free = deque(reversed(range(num_pages)))
 
     @property
     def num_free(self) -> int:
@@ -44,7 +45,7 @@ class PageAllocator:
     def allocate(self, owner: int, count: int) -> list[int]:
         if count > len(self._free):
             raise OwnershipError(f"asked for {count} pages with {len(self._free)} free")
-        pages = [self._free.popleft() for _ in range(count)]
+        pages = [self._free.pop() for _ in range(count)]
         for p in pages:
             if self.owner[p] != FREE:
                 raise OwnershipError(f"page {p} on the free list is owned by {self.owner[p]}")
@@ -57,7 +58,7 @@ class PageAllocator:
         records rather than the request's block table means a corrupted table can neither
         leak a page nor free someone else's."""
         released = np.nonzero(self.owner == owner)[0].tolist()
-        for p in released:
+        for p in reversed(released):
             self._release(p)
         return released
 

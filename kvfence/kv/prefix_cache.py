@@ -54,14 +54,14 @@ class PrefixCache:
 
     def insert(self, tenant: str, owner: int, token_ids: list[int], block_table: list[int], num_shared: int) -> int:
         """Hands the request's full prompt pages after its shared ones to the cache, in
-        order, while their keys are new. Returns the new count of shared leading pages."""
+        order, while their keys are new and the request wrote them. Returns the new count of shared leading pages."""
         ps = self.allocator.page_size
         full = len(token_ids) // ps
         keys = page_keys(tenant, token_ids, ps, full)
         for i in range(num_shared, full):
-            if keys[i] in self.pages:
-                break
             page = block_table[i]
+            if keys[i] in self.pages or self.allocator.owner[page] != owner or self.allocator.written[page] != ps:
+                break  # only pages this request fully wrote itself enter the cache
             self.allocator.share(owner, page)
             self.pages[keys[i]] = page
             self.keys[page] = keys[i]

@@ -111,7 +111,7 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _gguf_config(reader) -> ModelConfig:
+def gguf_model_config(reader) -> ModelConfig:
     def field(key, default=None):
         f = reader.fields.get(key)
         if f is None:
@@ -153,7 +153,7 @@ def _load_gguf(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
         reader = GGUFReader(str(path))
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
-    config = _gguf_config(reader)
+    config = gguf_model_config(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         array = dequantize(t.data, t.tensor_type)
@@ -184,7 +184,7 @@ _HF_LAYER_NAMES = {
 }
 
 
-def _hf_config(raw: dict) -> ModelConfig:
+def hf_model_config(raw: dict) -> ModelConfig:
     archs = raw.get("architectures") or []
     if not SUPPORTED_HF_ARCHITECTURES.intersection(archs):
         raise ModelLoadError(
@@ -215,7 +215,7 @@ def _hf_config(raw: dict) -> ModelConfig:
 def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
     from safetensors.torch import load_file
 
-    config = _hf_config(json.loads((path / "config.json").read_text()))
+    config = hf_model_config(json.loads((path / "config.json").read_text()))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")

@@ -1,0 +1,55 @@
+"""TEST ONLY: re-creates the 2026 KV leak on purpose (`--inject-fault legacy-reject-path`).
+
+The legacy engine turned a prompt larger than the KV pool into a one-token placeholder,
+marked it rejected, and then let it through because its admission queue asked "is it
+finished?" instead of "is it terminal?". The placeholder kept the pages reserved for the
+whole prompt and decoding read them as if they held this prompt's KV; they held stale KV
+of earlier requests. Nothing here runs unless the fault is injected; it exists so tests
+can show the sentinel stops it and `kvfence audit` detects it when the sentinel is off.
+"""
+import logging
+
+from kvfence.engine.request import Request, RequestState
+from kvfence.engine.sampling_params import SamplingParams
+
+LEGACY_REJECT_PATH = "legacy-reject-path"
+LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
+BANNER = ("!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token placeholders that decode "
+          "over stale KV pages of other requests. NEVER run this outside tests. !!!")
+
+log = logging.getLogger("kvfence.fault")
+
+
+def warn_at_start() -> None:
+    log.warning(BANNER)
+    log.warning("!!! FAULT INJECTED: the KV pool may be smaller than max_model_len; the start-up check is skipped !!!")
+
+
+def oversized(engine, prompt_ids: list[int], params: SamplingParams) -> bool:
+    """Fits the advertised context but not the pool: the case the legacy path mishandled."""
+    return (engine.config.inject_fault == LEGACY_REJECT_PATH
+            and len(prompt_ids) < engine.max_model_len
+            and engine.allocator.pages_for(len(prompt_ids) + 1) > engine.allocator.num_pages)
+
+
+def admit_placeholder(engine, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str) -> Request:
+    allocator, ps = engine.allocator, engine.allocator.page_size
+    if engine.prefix_cache:  # the legacy engine took every page it could get
+        engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
+    max_tokens = min(params.max_tokens or 16, 64)
+    claimed = max(2, allocator.num_free * ps - max_tokens)  # what the reserved pages can pretend to hold
+    req = Request(request_id=f"{request_id}-0", prompt_token_ids=prompt_ids[-claimed:], parent_id=request_id, index=0,
+                  params=params, max_tokens=max_tokens, tenant=tenant)
+    log.warning("!!! FAULT legacy-reject-path: request %s (%d prompt tokens, pool %d tokens) replaced by a one-token "
+                "placeholder that decodes over %d stale reserved positions", request_id, len(prompt_ids),
+                allocator.num_pages * ps, claimed - 1)
+    req.state = RequestState.REJECTED          # the legacy scheduler marked it rejected...
+    if req.state not in LEGACY_FINISHED:       # ...but its admission queue asked "finished?"
+        pages = allocator.allocate(req.owner, allocator.pages_for(claimed + max_tokens))
+        req.block_table.extend(pages)
+        req.page_generations.extend(int(allocator.generation[p]) for p in pages)
+        req.num_computed_tokens = claimed - 1  # only the last token is computed: the placeholder
+        req.prefix_checked = True
+        req.state = RequestState.WAITING
+        engine.scheduler.waiting.append(req)
+    return req
