@@ -1,0 +1,137 @@
+"""KV transfer over NIXL (UCX backend): the decode side reads the pages the prefill side wrote.
+
+Each side registers its whole K and V pool tensors once. A transfer moves, for every
+layer, K and V of each page, only the slots that hold this request's tokens; stale slots
+past the last token never leave the prefill node. The manifest travels separately (HTTP)
+and carries a CRC32 per page, so the receiver can prove it holds exactly what was sent.
+"""
+import base64
+import os
+import time
+import zlib
+from dataclasses import dataclass
+
+from kvfence.kv.pool import KVPool
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass
+class Manifest:
+    transfer_id: str
+    token_count: int
+    page_size: int
+    page_count: int
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    checksums: list[int]
+    agent_name: str
+    agent_metadata: str  # base64
+    descs: list[list[int]]  # (address, bytes, device) per (K/V, layer, page), in that order
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def page_spans(token_count: int, page_size: int) -> list[int]:
+    """Written slots in each page of a request holding `token_count` tokens."""
+    full, rest = divmod(token_count, page_size)
+    return [page_size] * full + ([rest] if rest else [])
+
+
+class KVTransfer:
+    def __init__(self, pool: KVPool, name: str | None = None):
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.pool = pool
+        self.name = name or f"kvfence-{os.getpid()}-{id(self):x}"
+        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        self.agent.register_memory([pool.k, pool.v])
+        self.slot_bytes = pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
+        self.layer_stride = pool.k.shape[1] * self.slot_bytes
+        self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def descs(self, pages: list[int], token_count: int) -> list[list[int]]:
+        spans = page_spans(token_count, self.pool.page_size)
+        out = []
+        for tensor in (self.pool.k, self.pool.v):
+            base = tensor.data_ptr()
+            for layer in range(tensor.shape[0]):
+                for page, slots in zip(pages, spans):
+                    addr = base + layer * self.layer_stride + page * self.pool.page_size * self.slot_bytes
+                    out.append([addr, slots * self.slot_bytes, 0])
+        return out
+
+    def checksums(self, pages: list[int], token_count: int) -> list[int]:
+        ps = self.pool.page_size
+        sums = []
+        for page, slots in zip(pages, page_spans(token_count, ps)):
+            crc = 0
+            for tensor in (self.pool.k, self.pool.v):
+                data = tensor[:, page * ps:page * ps + slots].contiguous()
+                crc = zlib.crc32(data.numpy().tobytes(), crc)
+            sums.append(crc)
+        return sums
+
+    def manifest(self, transfer_id: str, pages: list[int], token_count: int) -> Manifest:
+        k = self.pool.k
+        return Manifest(transfer_id, token_count, self.pool.page_size, len(page_spans(token_count, self.pool.page_size)),
+                        str(k.dtype).removeprefix("torch."), k.shape[0], k.shape[2], k.shape[3],
+                        self.checksums(pages, token_count), self.name, self.metadata, self.descs(pages, token_count))
+
+    def read(self, manifest: Manifest, pages: list[int], timeout: float) -> float:
+        """Pulls the manifest's pages into `pages` of our pool; returns seconds spent."""
+        if not manifest.descs:
+            return 0.0
+        remote_name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
+        try:
+            local = self.agent.get_xfer_descs([tuple(d) for d in self.descs(pages, manifest.token_count)], "DRAM")
+            remote = self.agent.get_xfer_descs([tuple(d) for d in manifest.descs], "DRAM")
+            start = time.monotonic()
+            handle = self.agent.initialize_xfer("READ", local, remote, remote_name)
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() - start > timeout:
+                    raise TransferError(f"KV transfer did not finish within {timeout} s")
+                time.sleep(0.0005)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError("KV transfer failed in the transport (peer gone?)")
+            elapsed = time.monotonic() - start
+            if elapsed > timeout:
+                raise TransferError(f"KV transfer took {elapsed:.3f} s, over the {timeout} s limit")
+            return elapsed
+        finally:
+            self.agent.remove_remote_agent(remote_name)
+
+
+def verify(manifest: Manifest, expected_tokens: int, pool: KVPool, received_checksums) -> None:
+    """Checks a manifest against what the receiver reserved; raises TransferError naming the mismatch."""
+    k = pool.k
+    mine = {"page_size": pool.page_size, "dtype": str(k.dtype).removeprefix("torch."), "num_layers": k.shape[0],
+            "kv_heads": k.shape[2], "head_dim": k.shape[3]}
+    for key, value in mine.items():
+        if getattr(manifest, key) != value:
+            raise TransferError(f"manifest {key} is {getattr(manifest, key)}, this worker has {value}")
+    if manifest.token_count != expected_tokens:
+        raise TransferError(f"manifest carries {manifest.token_count} tokens, {expected_tokens} were expected")
+    pages = len(page_spans(expected_tokens, pool.page_size))
+    if manifest.page_count != pages or len(manifest.checksums) != pages or len(manifest.descs) != 2 * k.shape[0] * pages:
+        raise TransferError(f"manifest describes {manifest.page_count} pages / {len(manifest.descs)} regions, "
+                            f"{pages} pages were expected")
+    if received_checksums is not None:
+        bad = [i for i, (a, b) in enumerate(zip(manifest.checksums, received_checksums)) if a != b]
+        if bad:
+            raise TransferError(f"checksum mismatch on {len(bad)} of {pages} pages (first: page {bad[0]})")
+
+
+def manifest_from_dict(d: dict) -> Manifest:
+    try:
+        return Manifest(**d)
+    except TypeError as e:
+        raise TransferError(f"malformed manifest: {e}") from None
+
