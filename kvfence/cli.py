@@ -78,9 +78,81 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_model_path(config.model)  # a bad path fails here, before the server starts
 
     def build() -> Server:
-        return Server(LLMEngine(config), keys, args.served_model_name, args.max_pending, args.max_body_bytes)
+        server = Server(LLMEngine(config), keys, args.served_model_name, args.max_pending, args.max_body_bytes)
+        if args.role != "unified":
+            import httpx
 
-    uvicorn.run(create_app(build), host=args.host, port=args.port, log_level="warning", access_log=False)
+            from kvfence.disagg.transfer import KVTransfer
+
+            app.state.transfer = KVTransfer(server.engine.pool, f"kvfence-{args.role}-{args.port}")
+            app.state.http = httpx.AsyncClient()
+        return server
+
+    app = create_app(build, role=args.role)
+    if args.role == "prefill":
+        from kvfence.disagg import prefill
+
+        prefill.add_routes(app)
+    elif args.role == "decode":
+        from kvfence.disagg import decode
+
+        decode.add_routes(app, args.kv_transfer_timeout)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvfence.disagg.router import create_router
+
+    uvicorn.run(create_router(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning",
+                access_log=False)
+    return 0
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    """N prefill and M decode workers plus a router on this machine, until interrupted."""
+    import subprocess
+    import time
+
+    import httpx
+
+    worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    base = [sys.executable, "-m", "kvfence.cli"]
+    procs, urls = [], {"prefill": [], "decode": []}
+    port = args.port + 1
+    for role, count in (("prefill", args.prefill), ("decode", args.decode)):
+        for _ in range(count):
+            urls[role].append(f"http://127.0.0.1:{port}")
+            procs.append(subprocess.Popen([*base, "serve", "--role", role, "--port", str(port),
+                                           "--threads", str(args.threads_per_worker), *worker_args]))
+            port += 1
+    try:
+        for url in urls["prefill"] + urls["decode"]:
+            while True:
+                if any(p.poll() is not None for p in procs):
+                    print("kvfence cluster: a worker exited during start-up", file=sys.stderr)
+                    return 1
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.5)
+        router = [*base, "router", "--host", args.host, "--port", str(args.port)]
+        router += [a for u in urls["prefill"] for a in ("--prefill", u)]
+        router += [a for u in urls["decode"] for a in ("--decode", u)]
+        procs.append(subprocess.Popen(router))
+        logging.getLogger("kvfence").info("cluster up: router on %s:%d, prefill %s, decode %s", args.host, args.port,
+                                          urls["prefill"], urls["decode"])
+        procs[-1].wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(15)
     return 0
 
 
@@ -142,9 +214,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
     p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body accepted")
-    p.add_argument("--role", choices=["unified"], default="unified")
+    p.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
+                   help="unified serves the API; prefill and decode workers sit behind `kvfence router`")
+    p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="decode role: seconds a KV pull may take")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("router", help="front door of prefill and decode workers (same OpenAI API)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--prefill", action="append", required=True, help="prefill worker URL (repeat)")
+    p.add_argument("--decode", action="append", required=True, help="decode worker URL (repeat)")
+    p.set_defaults(func=cmd_router)
+
+    p = sub.add_parser("cluster", help="a local router with N prefill and M decode workers",
+                       description="kvfence cluster --prefill 1 --decode 1 -- [kvfence serve flags for the workers]")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="router port; workers take the next ports")
+    p.add_argument("--prefill", type=int, default=1)
+    p.add_argument("--decode", type=int, default=1)
+    p.add_argument("--threads-per-worker", type=int, default=1)
+    p.add_argument("worker_args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("audit", help="black-box leak and consistency audit of an OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

@@ -53,3 +53,27 @@ def admit_placeholder(engine, prompt_ids: list[int], params: SamplingParams, req
         req.state = RequestState.WAITING
         engine.scheduler.waiting.append(req)
     return req
+
+
+def admit_prefill_placeholder(engine, prompt_ids: list[int], params: SamplingParams, request_id: str,
+                              tenant: str) -> Request:
+    """Prefill side of the P/D replay: one placeholder token of KV is computed and shipped."""
+    log.warning("!!! FAULT legacy-reject-path: request %s (%d prompt tokens, prefill pool %d tokens) replaced by a "
+                "one-token placeholder; one token of KV will be transferred", request_id, len(prompt_ids),
+                engine.allocator.num_pages * engine.allocator.page_size)
+    req = Request(request_id=f"{request_id}-0", prompt_token_ids=prompt_ids[-2:-1], parent_id=request_id, index=0,
+                  params=params, max_tokens=0, tenant=tenant, prefill_only=True)
+    req.state = RequestState.REJECTED          # marked rejected...
+    if req.state not in LEGACY_FINISHED:       # ...admitted because the queue asked "finished?"
+        req.state = RequestState.WAITING
+        engine.scheduler.waiting.append(req)
+    return req
+
+
+def decode_trusts_reservation(engine) -> bool:
+    """Decode side of the P/D replay: the legacy decoder skipped the manifest check and
+    decoded over every page it had reserved, whatever had arrived."""
+    if engine.config.inject_fault != LEGACY_REJECT_PATH:
+        return False
+    log.warning("!!! FAULT legacy-reject-path: decoding over the whole reservation without checking the manifest")
+    return True

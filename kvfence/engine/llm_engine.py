@@ -49,6 +49,8 @@ class LLMEngine:
                                   config.kv_sentinel, config.min_batch_rows)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Request]] = {}
+        self.parked: dict[str, Request] = {}     # prefilled, pages held for a decode worker to pull
+        self.receiving: dict[str, Request] = {}  # pages reserved for KV arriving from a prefill worker
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.rejected: dict[str, int] = {}
 
@@ -57,18 +59,19 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
-        """Checks a request before anything is allocated; returns its max_tokens.
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, kv_tokens: int | None = None) -> int:
+        """Checks a request before anything is allocated; returns its max_tokens. `kv_tokens`
+        is what this worker must hold (a prefill worker holds only the prompt).
         Raises InvalidRequest with a reason the caller can act on."""
         if faults.oversized(self, prompt_token_ids, params):
             return 1  # the injected fault lets it through to add_request
         try:
-            return self._validate(prompt_token_ids, params)
+            return self._validate(prompt_token_ids, params, kv_tokens)
         except InvalidRequest as e:
             self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
             raise
 
-    def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+    def _validate(self, prompt_token_ids: list[int], params: SamplingParams, kv_tokens: int | None) -> int:
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
@@ -87,7 +90,7 @@ class LLMEngine:
                 f"the prompt ({n_prompt} tokens) plus max_tokens ({max_tokens}) is {n_prompt + max_tokens}, over "
                 f"this model's maximum context length of {limit} tokens; lower max_tokens to at most "
                 f"{limit - n_prompt}", "max_tokens", "context_length_exceeded")
-        pages = self.allocator.pages_for(n_prompt + max_tokens)
+        pages = self.allocator.pages_for(n_prompt + max_tokens if kv_tokens is None else kv_tokens)
         if pages > self.allocator.num_pages:
             raise InvalidRequest(
                 f"the request needs {pages} KV pages and the whole pool has {self.allocator.num_pages}",
@@ -149,11 +152,75 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> list[RequestOutput]:
         outputs = []
+        self.parked.pop(request_id, None)
+        self.receiving.pop(request_id, None)
         for req in self.requests.pop(request_id, []):
             if not req.is_terminal:
                 self._finish(req, RequestState.ABORTED)
                 outputs.append(self._output(req))
         return outputs
+
+    # --- disaggregation: prefill-only requests, and KV received from a prefill worker ---
+
+    def add_prefill_only(self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str,
+                         park_timeout: float) -> Request:
+        """Computes the KV of every prompt token but the last, then parks the request with its
+        pages until the decode worker has pulled them (or `park_timeout` passes)."""
+        if faults.oversized(self, prompt_ids, params):
+            req = faults.admit_prefill_placeholder(self, prompt_ids, params, request_id, tenant)
+        else:
+            self.validate(prompt_ids, params, kv_tokens=len(prompt_ids))
+            req = Request(request_id=f"{request_id}-0", prompt_token_ids=prompt_ids[:-1], parent_id=request_id,
+                          index=0, params=params, max_tokens=0, tenant=tenant, prefill_only=True)
+            self.scheduler.add(req)
+        req.park_deadline = park_timeout
+        self.requests[request_id] = [req]
+        return req
+
+    def release_parked(self, request_id: str) -> None:
+        req = self.parked.pop(request_id, None)
+        if req is not None and not req.is_terminal:
+            self._finish(req, RequestState.FINISHED_STOP)
+            self.requests.pop(request_id, None)
+
+    def expire_parked(self) -> None:
+        now = time.monotonic()
+        for rid, req in list(self.parked.items()):
+            if req.park_deadline < now:
+                log.warning("request %s: no decode worker pulled its KV in time; freeing its pages", rid)
+                self.abort(rid)
+
+    def reserve_remote(self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str,
+                       kv_tokens: int) -> Request:
+        """Admits a request whose first `kv_tokens` prompt tokens arrive as KV from a prefill
+        worker, and reserves pages for them. The request is not scheduled until activated."""
+        max_tokens = self.validate(prompt_ids, params)
+        needed = self.allocator.pages_for(kv_tokens)
+        if self.prefix_cache and needed > self.allocator.num_free:
+            self.prefix_cache.evict(needed - self.allocator.num_free)
+        if needed > self.allocator.num_free:
+            raise InvalidRequest(f"the decode pool has {self.allocator.num_free} free pages, {needed} are needed; "
+                                 "retry shortly", "prompt", "kv_pool_busy")
+        req = Request(request_id=f"{request_id}-0", prompt_token_ids=prompt_ids, parent_id=request_id, index=0,
+                      params=params, max_tokens=max_tokens, tenant=tenant, prefix_checked=True)
+        if params.seed is not None:
+            req.generator = torch.Generator().manual_seed(params.seed)
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+        pages = self.allocator.allocate(req.owner, needed)
+        req.block_table.extend(pages)
+        req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
+        self.requests[request_id] = [req]
+        self.receiving[request_id] = req
+        return req
+
+    def activate_remote(self, request_id: str, received_tokens: int, claimed_tokens: int) -> None:
+        """The KV of `received_tokens` tokens is in the reserved pages; decoding resumes after
+        `claimed_tokens` (equal, unless the incident replay is injected)."""
+        req = self.receiving.pop(request_id)
+        self.runner.mark_written(req, 0, received_tokens)
+        req.num_computed_tokens = claimed_tokens
+        req.num_prompt_tokens_computed = 0
+        self.scheduler.add(req)
 
     # --- the step --------------------------------------------------------------------
 
@@ -183,6 +250,11 @@ class LLMEngine:
                     req.num_shared_pages = self.prefix_cache.insert(
                         req.tenant, req.owner, req.prompt_token_ids, req.block_table, req.num_shared_pages)
             req.num_computed_tokens += n
+            if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.remove(req)
+                req.park_deadline += time.monotonic()
+                self.parked[req.parent_id] = req
+                outputs.append(self._output(req))
         for req, (token, logprob) in zip(sampled, sample(logits, sampled, self.generator)):
             self._append_token(req, token, logprob)
             outputs.append(self._output(req))
@@ -238,7 +310,7 @@ class LLMEngine:
             token_ids=list(req.output_token_ids), text=req.text[:end], delta_text=delta,
             delta_token_ids=new_tokens, finished=req.is_terminal, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=list(req.logprobs), error=req.error,
-            num_cached_tokens=req.num_cached_tokens)
+            num_cached_tokens=req.num_cached_tokens, parked=req.parent_id in self.parked)
 
     def _log_finish(self, req: Request) -> None:
         t0 = req.arrival_time

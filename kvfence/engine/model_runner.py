@@ -99,7 +99,7 @@ class ModelRunner:
         sample_rows, sampled, row = [], [], 0
         for req, n in decodes + prefills:
             row += n
-            if req.num_computed_tokens + n == req.num_tokens:
+            if req.num_computed_tokens + n == req.num_tokens and not req.prefill_only:
                 sample_rows.append(row - 1)
                 sampled.append(req)
         num_sampled = len(sample_rows)

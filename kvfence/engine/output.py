@@ -17,3 +17,4 @@ class RequestOutput:
     logprobs: list[dict] = field(default_factory=list)
     error: str | None = None
     num_cached_tokens: int = 0
+    parked: bool = False  # prefill-only request whose KV is ready to be transferred

@@ -54,6 +54,8 @@ class Request:
     num_shared_pages: int = 0  # leading block-table pages borrowed from the prefix cache
     num_cached_tokens: int = 0
     prefix_checked: bool = False  # looked up in the prefix cache since last (re)admission
+    prefill_only: bool = False  # disaggregated prefill: compute the KV, never sample
+    park_deadline: float | None = None  # prefilled and waiting for the decode side to pull it
     logprobs: list[dict] = field(default_factory=list)
     generator: torch.Generator | None = None
     error: str | None = None

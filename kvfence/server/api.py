@@ -5,15 +5,16 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
-from kvfence.engine.sampling_params import InvalidRequest
+from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.model.tokenizer import apply_chat_template
 from kvfence.server.async_engine import AsyncEngine, Overloaded, RequestHandle
 from kvfence.server.auth import ApiKeys
@@ -129,8 +130,17 @@ class Server:
         return [await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p) for p in prompts]
 
     def start(self, prompts, params, tenant) -> RequestHandle:
+        """Submits a request to the engine; admission errors become 400, overload 429."""
+        return self._translate(lambda: self.async_engine.submit(prompts, params, tenant))
+
+    def start_stream(self) -> RequestHandle:
+        """Opens the output stream of one request that a disaggregated worker adds itself."""
+        return self._translate(lambda: self.async_engine.open(1, 1))
+
+    @staticmethod
+    def _translate(fn):
         try:
-            return self.async_engine.submit(prompts, params, tenant)
+            return fn()
         except InvalidRequest as e:
             raise APIError(400, e.message, param=e.param, code=e.code) from None
         except Overloaded as e:
@@ -196,62 +206,120 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def create_app(server_factory: Callable[[], Server]) -> FastAPI:
-    """The app; `server_factory` loads the model and runs before the first request is accepted."""
-    from contextlib import asynccontextmanager
+@dataclass
+class Prepared:
+    """A parsed, tokenized and checked completion or chat request, ready for an engine."""
+    body: CompletionRequest | ChatCompletionRequest
+    chat: bool
+    prompts: list[list[int]]
+    params: SamplingParams
+    tenant: str
 
-    holder: dict[str, Server] = {}
+
+async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
+    tenant = s.tenant(request)
+    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest, s.max_body_bytes)
+    s.check_model(body.model)
+    if chat:
+        try:
+            text = apply_chat_template(s.tokenizer, body.conversation())
+        except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
+            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        prompts = await s.tokenize_prompts(text)
+    else:
+        if body.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        prompts = await s.tokenize_prompts(body.prompt)
+    return Prepared(body, chat, prompts, body.sampling_params(), tenant)
+
+
+async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Request):
+    """The OpenAI response for a running request: one JSON object, or server-sent events."""
+    kind = "chat.completion" if p.chat else "text_completion"
+    rid = f"{'chatcmpl' if p.chat else 'cmpl'}-{uuid.uuid4().hex}"
+    head = {"id": rid, "object": kind, "created": int(time.time()), "model": s.model_name}
+    want_logprobs = bool(p.body.logprobs) if p.chat else p.body.logprobs is not None
+    if p.body.stream:
+        include_usage = bool(p.body.stream_options and p.body.stream_options.include_usage)
+        chunks = _chat_chunks(s, want_logprobs) if p.chat else _completion_chunks(s)
+        if p.chat:
+            head["object"] = "chat.completion.chunk"
+        return StreamingResponse(_stream(s, handle, request, head, p.prompts, include_usage, chunks),
+                                 media_type="text/event-stream")
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in s.outputs(handle, request):
+        s.raise_if_failed(out)
+        if out.finished:
+            finals[index] = out
+    if p.chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": s.chat_logprobs(o.logprobs) if want_logprobs else None,
+                    "finish_reason": o.finish_reason} for i, o in sorted(finals.items())]
+    else:
+        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
+                    "logprobs": s.completion_logprobs(o.logprobs, 0) if want_logprobs else None}
+                   for i, o in sorted(finals.items())]
+    completion_tokens = sum(len(o.token_ids) for o in finals.values())
+    cached = sum(o.num_cached_tokens for o in finals.values())
+    return {**head, "choices": choices, "usage": s.usage(p.prompts, completion_tokens, cached)}
+
+
+def create_app(server_factory: Callable[[], Server], role: str = "unified") -> FastAPI:
+    """The app; `server_factory` loads the model before the first request is accepted, and
+    the Server is then `app.state.server`. Prefill and decode workers add their own routes."""
+    from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(app):
-        holder["server"] = await asyncio.to_thread(server_factory)
+        app.state.server = await asyncio.to_thread(server_factory)
         yield
 
     app = FastAPI(title="kvfence", lifespan=lifespan)
 
-    def srv() -> Server:
-        return holder["server"]
+    def srv(request: Request) -> Server:
+        return request.app.state.server
 
-    def tenant(request: Request) -> str:
-        return srv().tenant(request)
-
-    def error_response(err: APIError) -> JSONResponse:
-        if "server" in holder:
-            srv().metrics.http_errors.labels(str(err.status), err.code or err.type).inc()
+    def error_response(request: Request, err: APIError) -> JSONResponse:
+        server = getattr(request.app.state, "server", None)
+        if server is not None:
+            server.metrics.http_errors.labels(str(err.status), err.code or err.type).inc()
         return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):
-        return error_response(err)
+        return error_response(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, err: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
-        return error_response(APIError(err.status_code, str(err.detail), code=code))
+        return error_response(request, APIError(err.status_code, str(err.detail), code=code))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception):
         log.exception("unexpected error")
-        return error_response(APIError(500, "internal server error", type="internal_error", code="internal_error"))
+        return error_response(request, APIError(500, "internal server error", type="internal_error",
+                                                code="internal_error"))
 
     @app.get("/health")
     async def health():
-        return {"status": "ok"}
+        return {"status": "ok", "role": role}
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(srv().metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request):
+        return Response(srv(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models(tenant: str = Depends(tenant)):
-        s = srv()
+    async def models(request: Request):
+        s = srv(request)
+        s.tenant(request)
         return {"object": "list", "data": [{
             "id": s.model_name, "object": "model", "created": 0, "owned_by": "kvfence",
             "max_model_len": s.engine.max_model_len, "kv_pool_tokens": s.engine.pool.capacity_tokens}]}
 
     @app.post("/tokenize")
-    async def tokenize(request: Request, tenant: str = Depends(tenant)):
-        s = srv()
+    async def tokenize(request: Request):
+        s = srv(request)
+        s.tenant(request)
         body = await parse_body(request, TokenizeRequest, s.max_body_bytes)
         s.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -262,8 +330,9 @@ def create_app(server_factory: Callable[[], Server]) -> FastAPI:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(request: Request, tenant: str = Depends(tenant)):
-        s = srv()
+    async def detokenize(request: Request):
+        s = srv(request)
+        s.tenant(request)
         body = await parse_body(request, DetokenizeRequest, s.max_body_bytes)
         s.check_model(body.model)
         vocab = s.engine.model_config.vocab_size
@@ -271,61 +340,18 @@ def create_app(server_factory: Callable[[], Server]) -> FastAPI:
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": s.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, tenant: str = Depends(tenant)):
-        s = srv()
-        body = await parse_body(request, CompletionRequest, s.max_body_bytes)
-        s.check_model(body.model)
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
-        prompts = await s.tokenize_prompts(body.prompt)
-        handle = s.start(prompts, body.sampling_params(), tenant)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "text_completion", "created": created, "model": s.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream_completion(s, handle, request, head, prompts, include_usage),
-                                     media_type="text/event-stream")
-        finals: dict[int, RequestOutput] = {}
-        async for index, out in s.outputs(handle, request):
-            s.raise_if_failed(out)
-            if out.finished:
-                finals[index] = out
-        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                    "logprobs": s.completion_logprobs(o.logprobs, 0) if body.logprobs is not None else None}
-                   for i, o in sorted(finals.items())]
-        completion_tokens = sum(len(o.token_ids) for o in finals.values())
-        cached = sum(o.num_cached_tokens for o in finals.values())
-        return {**head, "choices": choices, "usage": s.usage(prompts, completion_tokens, cached)}
+    if role == "unified":
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            s = srv(request)
+            p = await prepare(s, request, chat=False)
+            return await respond(s, p, s.start(p.prompts, p.params, p.tenant), request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request, tenant: str = Depends(tenant)):
-        s = srv()
-        body = await parse_body(request, ChatCompletionRequest, s.max_body_bytes)
-        s.check_model(body.model)
-        try:
-            text = apply_chat_template(s.tokenizer, body.conversation())
-        except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        prompts = await s.tokenize_prompts(text)
-        handle = s.start(prompts, body.sampling_params(), tenant)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": s.model_name}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_stream_chat(s, handle, request, head, prompts, include_usage, body.logprobs),
-                                     media_type="text/event-stream")
-        finals: dict[int, RequestOutput] = {}
-        async for index, out in s.outputs(handle, request):
-            s.raise_if_failed(out)
-            if out.finished:
-                finals[index] = out
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": s.chat_logprobs(o.logprobs) if body.logprobs else None,
-                    "finish_reason": o.finish_reason} for i, o in sorted(finals.items())]
-        completion_tokens = sum(len(o.token_ids) for o in finals.values())
-        cached = sum(o.num_cached_tokens for o in finals.values())
-        return {**head, "choices": choices, "usage": s.usage(prompts, completion_tokens, cached)}
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            s = srv(request)
+            p = await prepare(s, request, chat=True)
+            return await respond(s, p, s.start(p.prompts, p.params, p.tenant), request)
 
     return app
 
@@ -348,9 +374,7 @@ async def _stream(s: Server, handle, request, head, prompts, include_usage, chun
     yield "data: [DONE]\n\n"
 
 
-def _stream_completion(s, handle, request, head, prompts, include_usage):
-    head = {**head}
-
+def _completion_chunks(s):
     def chunks(index, out):
         logprobs = s.completion_logprobs(out.logprobs[-len(out.delta_token_ids):], 0) \
             if out.logprobs and out.delta_token_ids else None
@@ -358,11 +382,10 @@ def _stream_completion(s, handle, request, head, prompts, include_usage):
             yield {"index": index, "text": out.delta_text, "logprobs": logprobs,
                    "finish_reason": out.finish_reason if out.finished else None}
 
-    return _stream(s, handle, request, head, prompts, include_usage, chunks)
+    return chunks
 
 
-def _stream_chat(s, handle, request, head, prompts, include_usage, want_logprobs):
-    head = {**head, "object": "chat.completion.chunk"}
+def _chat_chunks(s, want_logprobs):
     opened: set[int] = set()
 
     def chunks(index, out):
@@ -377,4 +400,4 @@ def _stream_chat(s, handle, request, head, prompts, include_usage, want_logprobs
         if out.finished:
             yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
 
-    return _stream(s, handle, request, head, prompts, include_usage, chunks)
+    return chunks

@@ -47,15 +47,27 @@ class AsyncEngine:
         """Admits the prompts or raises (InvalidRequest, Overloaded) before anything is queued."""
         for prompt in prompts:
             self.engine.validate(prompt, params)
-        with self._lock:
-            if self._in_flight + len(prompts) > self.max_pending:
-                raise Overloaded(f"{self._in_flight} requests in flight, the limit is {self.max_pending}")
-            self._in_flight += len(prompts)
-        handle = RequestHandle(self, [uuid.uuid4().hex for _ in prompts], len(prompts) * params.n)
-        for i, (rid, prompt) in enumerate(zip(handle.ids, prompts)):
-            self._streams[rid] = _Stream(handle.loop, handle.queue, i * params.n)
+        handle = self.open(len(prompts), params.n)
+        for rid, prompt in zip(handle.ids, prompts):
             self._inbox.put(("add", rid, prompt, params, tenant))
         return handle
+
+    def open(self, num_prompts: int, n: int) -> "RequestHandle":
+        """Registers the output streams of a request about to enter the engine."""
+        with self._lock:
+            if self._in_flight + num_prompts > self.max_pending:
+                raise Overloaded(f"{self._in_flight} requests in flight, the limit is {self.max_pending}")
+            self._in_flight += num_prompts
+        handle = RequestHandle(self, [uuid.uuid4().hex for _ in range(num_prompts)], num_prompts * n)
+        for i, rid in enumerate(handle.ids):
+            self._streams[rid] = _Stream(handle.loop, handle.queue, i * n)
+        return handle
+
+    async def call(self, fn):
+        """Runs fn(engine) on the engine thread (the only thread that touches the engine)."""
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", future, fn))
+        return await future
 
     def _close(self, handle: "RequestHandle") -> None:
         for rid in handle.ids:
@@ -74,6 +86,15 @@ class AsyncEngine:
 
     def _handle(self, message: tuple) -> None:
         kind, rid, *rest = message
+        if kind == "call":
+            future, fn = rid, rest[0]
+            try:
+                result, error = fn(self.engine), None
+            except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+                result, error = None, e
+            loop = future.get_loop()
+            loop.call_soon_threadsafe(_settle, future, result, error)
+            return
         if kind == "abort":
             self.engine.abort(rid)
             return
@@ -87,7 +108,11 @@ class AsyncEngine:
         while True:
             try:
                 if not self.engine.has_unfinished():
-                    self._handle(self._inbox.get())
+                    try:
+                        self._handle(self._inbox.get(timeout=0.5))
+                    except queue.Empty:
+                        pass
+                self.engine.expire_parked()
                 while not self._inbox.empty():
                     self._handle(self._inbox.get_nowait())
                 for out in self.engine.step():
@@ -99,6 +124,15 @@ class AsyncEngine:
                         out.error = "internal error in the engine step"
                         out.finish_reason = "error"
                         self._deliver(rid, out)
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 class RequestHandle:
@@ -126,3 +160,8 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             self.engine._close(self)
+
+    def detach(self) -> None:
+        """Stops listening but leaves the request in the engine (a parked prefill)."""
+        self.remaining = 0
+        self.close()

@@ -1,0 +1,84 @@
+"""Prefill worker: computes a prompt's KV, parks it, and lets one decode worker pull it.
+
+POST /internal/prefill/v1/{completions,chat/completions} takes the client's body as is,
+so admission is exactly unified mode's: a request refused here ends here, and no decode
+worker ever hears of it. Only a live, parked request gets a manifest.
+"""
+import asyncio
+import time
+
+from fastapi import FastAPI, Request
+
+from kvfence.disagg.transfer import KVTransfer
+from kvfence.engine.sampling_params import InvalidRequest
+from kvfence.server.api import APIError, prepare
+
+PARK_TIMEOUT_S = 60.0
+
+
+def single_prompt(p) -> list[int]:
+    if len(p.prompts) != 1 or p.params.n != 1:
+        raise APIError(400, "disaggregated serving takes one prompt with n=1 per request", param="n")
+    return p.prompts[0]
+
+
+def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
+    manifests: dict[str, tuple[float, dict]] = {}
+
+    async def prefill(request: Request, chat: bool):
+        s = request.app.state.server
+        transfer: KVTransfer = request.app.state.transfer
+        p = await prepare(s, request, chat)
+        prompt = single_prompt(p)
+        if len(prompt) == 1:  # nothing to prefill: the decode worker computes the only token
+            s._translate(lambda: s.engine.validate(prompt, p.params, kv_tokens=1))
+            return {"transfer_id": "", "prompt_tokens": 1, "kv_tokens": 0}
+        handle = s.start_stream()
+        rid = handle.ids[0]
+        try:
+            req = await s.async_engine.call(lambda e: e.add_prefill_only(prompt, p.params, rid, p.tenant, park_timeout))
+            while True:
+                _, out = await handle.next(timeout=park_timeout)
+                s.raise_if_failed(out)
+                if out.parked:
+                    break
+        except InvalidRequest as e:
+            handle.close()
+            raise APIError(400, e.message, param=e.param, code=e.code) from None
+        except BaseException:
+            handle.close()
+            raise
+        handle.detach()
+        manifest = await asyncio.to_thread(transfer.manifest, rid, list(req.block_table), req.num_tokens)
+        now = time.monotonic()
+        for tid in [t for t, (deadline, _) in manifests.items() if deadline < now]:
+            del manifests[tid]
+        manifests[rid] = (now + park_timeout, {"tenant": p.tenant, **manifest.to_dict()})
+        return {"transfer_id": rid, "prompt_tokens": len(prompt), "kv_tokens": manifest.token_count}
+
+    @app.post("/internal/prefill/v1/completions")
+    async def prefill_completion(request: Request):
+        return await prefill(request, chat=False)
+
+    @app.post("/internal/prefill/v1/chat/completions")
+    async def prefill_chat(request: Request):
+        return await prefill(request, chat=True)
+
+    @app.get("/internal/transfer/{transfer_id}")
+    async def get_manifest(transfer_id: str, request: Request):
+        tenant = request.app.state.server.tenant(request)
+        entry = manifests.get(transfer_id)
+        if entry is None or entry[1]["tenant"] != tenant:
+            raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
+        return {k: v for k, v in entry[1].items() if k != "tenant"}
+
+    @app.post("/internal/release/{transfer_id}")
+    async def release(transfer_id: str, request: Request):
+        s = request.app.state.server
+        tenant = s.tenant(request)
+        entry = manifests.get(transfer_id)
+        if entry is None or entry[1]["tenant"] != tenant:
+            raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
+        del manifests[transfer_id]
+        await s.async_engine.call(lambda e: e.release_parked(transfer_id))
+        return {"released": transfer_id}

@@ -1,0 +1,126 @@
+"""The router: the front door of a disaggregated deployment, with the same OpenAI API.
+
+It works sequentially: the prefill worker first, which admits the request and computes
+its KV; then, only if that succeeded, a decode worker, which pulls the KV and generates.
+A request the prefill side refuses ends with the prefill's own error. Workers are picked
+round robin; each worker authenticates the request itself.
+"""
+import itertools
+import logging
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
+
+log = logging.getLogger("kvfence.router")
+FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "internal_error" if status >= 500 else
+                                   "invalid_request_error", "param": None, "code": code}}, status_code=status)
+
+
+def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600) -> FastAPI:
+    app = FastAPI(title="kvfence router")
+    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
+    decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
+    client = httpx.AsyncClient(timeout=timeout)
+    registry = CollectorRegistry()
+    routed = Counter("kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "role": "router", "prefill": prefill_urls, "decode": decode_urls}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        url = next(prefills)
+        try:
+            r = await client.get(url + "/v1/models", headers=_forward(request))
+        except httpx.HTTPError:
+            return _error(502, f"prefill worker {url} unreachable", "prefill_unavailable")
+        return Response(r.content, status_code=r.status_code, media_type="application/json")
+
+    async def route(request: Request, path: str):
+        body = await request.body()
+        headers = _forward(request)
+        prefill = next(prefills)
+        try:
+            r = await client.post(f"{prefill}/internal/prefill{path}", content=body, headers=headers)
+        except httpx.HTTPError as e:
+            routed.labels("prefill_unavailable").inc()
+            return _error(502, f"prefill worker {prefill} failed: {type(e).__name__}", "prefill_unavailable")
+        if r.status_code != 200:  # refused at prefill: the decode side never hears of it
+            routed.labels("refused_at_prefill").inc()
+            return Response(r.content, status_code=r.status_code, media_type="application/json",
+                            headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
+        transfer_id = r.json()["transfer_id"]
+        decode = next(decodes)
+        forward = client.build_request("POST", f"{decode}/internal/decode{path}", content=body, headers={
+            **headers, PREFILL_URL_HEADER: prefill, TRANSFER_ID_HEADER: transfer_id})
+        try:
+            upstream = await client.send(forward, stream=True)
+        except httpx.HTTPError as e:
+            routed.labels("decode_unavailable").inc()
+            if transfer_id:
+                await _quietly(client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers))
+            return _error(502, f"decode worker {decode} failed: {type(e).__name__}", "decode_unavailable")
+        routed.labels("ok" if upstream.status_code == 200 else "failed_at_decode").inc()
+        media = upstream.headers.get("content-type", "application/json")
+        if not media.startswith("text/event-stream"):
+            try:
+                content = await upstream.aread()
+            except httpx.HTTPError as e:
+                return _error(502, f"decode worker {decode} failed: {type(e).__name__}", "decode_unavailable")
+            finally:
+                await upstream.aclose()
+            return Response(content, status_code=upstream.status_code, media_type=media)
+        return StreamingResponse(_relay(upstream, decode), status_code=upstream.status_code, media_type=media)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        return await route(request, "/v1/chat/completions")
+
+    @app.on_event("shutdown")
+    async def close():
+        await client.aclose()
+
+    return app
+
+
+def _forward(request: Request) -> dict:
+    return {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+
+
+async def _quietly(coro) -> None:
+    try:
+        await coro
+    except httpx.HTTPError:
+        pass
+
+
+async def _relay(upstream: httpx.Response, decode: str):
+    """Streams the decode worker's events; if it dies mid-stream the client gets an error event."""
+    import json
+
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as e:
+        error = {"error": {"message": f"decode worker {decode} failed mid-stream: {type(e).__name__}",
+                           "type": "internal_error", "param": None, "code": "decode_unavailable"}}
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await upstream.aclose()
