@@ -22,8 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="check KV page ownership before every step")
     g.add_argument("--kv-scrub", choices=["off", "on-free"], default="off", help="zero KV pages when they are freed")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
-    g.add_argument("--inject-fault", choices=["legacy-reject-path"], default=None,
-                   help="TEST ONLY: re-create the 2026 KV leak on purpose")
+    g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
+                   help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
 
 
@@ -92,7 +92,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.role == "prefill":
         from kvfence.disagg import prefill
 
-        prefill.add_routes(app)
+        prefill.add_routes(app, args.park_timeout)
     elif args.role == "decode":
         from kvfence.disagg import decode
 
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
                    help="unified serves the API; prefill and decode workers sit behind `kvfence router`")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="decode role: seconds a KV pull may take")
+    p.add_argument("--park-timeout", type=float, default=60.0,
+                   help="prefill role: seconds computed KV waits for a decode worker before it is freed")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -25,7 +25,7 @@ class EngineConfig:
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free
     prefix_cache: bool = True
-    inject_fault: str | None = None    # test-only: "legacy-reject-path"
+    inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     min_batch_rows: int = 4            # MKL gives batch-independent rows from 4 rows up
     seed: int = 0
 
@@ -52,7 +52,7 @@ class EngineConfig:
             raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
         if self.kv_scrub not in ("off", "on-free"):
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
-        if self.inject_fault is None:
+        if self.inject_fault != "legacy-reject-path":
             check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
 
 

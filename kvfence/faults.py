@@ -1,4 +1,5 @@
-"""TEST ONLY: re-creates the 2026 KV leak on purpose (`--inject-fault legacy-reject-path`).
+"""TEST ONLY: faults injected on purpose. `legacy-reject-path` re-creates the 2026 KV leak;
+`truncated-transfer` makes a prefill worker ship less KV than its manifest promises.
 
 The legacy engine turned a prompt larger than the KV pool into a one-token placeholder,
 marked it rejected, and then let it through because its admission queue asked "is it
@@ -13,6 +14,7 @@ from kvfence.engine.request import Request, RequestState
 from kvfence.engine.sampling_params import SamplingParams
 
 LEGACY_REJECT_PATH = "legacy-reject-path"
+TRUNCATED_TRANSFER = "truncated-transfer"
 LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
 BANNER = ("!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token placeholders that decode "
           "over stale KV pages of other requests. NEVER run this outside tests. !!!")
@@ -77,3 +79,14 @@ def decode_trusts_reservation(engine) -> bool:
         return False
     log.warning("!!! FAULT legacy-reject-path: decoding over the whole reservation without checking the manifest")
     return True
+
+
+def truncate(manifest, transfer) -> None:
+    """TEST ONLY (`--inject-fault truncated-transfer`): the last page of every layer is not
+    shipped; the region offered in its place is the scratch page, while the manifest keeps
+    the checksum of the real data."""
+    log.warning("!!! FAULT truncated-transfer: transfer %s ships without its last page", manifest.transfer_id)
+    pool, n = transfer.pool, manifest.page_count
+    for i in range(n - 1, len(manifest.descs), n):
+        tensor = pool.k if i < len(manifest.descs) // 2 else pool.v
+        manifest.descs[i][0] = transfer.address(tensor, (i // n) % manifest.num_layers, pool.scratch_slot)

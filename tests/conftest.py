@@ -86,19 +86,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(tmp_path, *args, env=None):
+def spawn_server(tmp_path, *args):
     """Starts `kvfence serve` (or another subcommand) as a real process; returns (process, base URL)."""
     import subprocess
     import sys
-    import time
-
-    import httpx
 
     port = free_port()
     log = open(tmp_path / f"server-{port}.log", "w")
     cmd = [sys.executable, "-m", "kvfence.cli", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(tmp_path, proc, base):
+    import time
+
+    import httpx
+
+    port = base.rsplit(":", 1)[1]
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -111,6 +115,11 @@ def start_server(tmp_path, *args, env=None):
         time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not become healthy")
+
+
+def start_server(tmp_path, *args):
+    proc, base = spawn_server(tmp_path, *args)
+    return wait_healthy(tmp_path, proc, base)
 
 
 def stop_server(proc):

@@ -84,7 +84,7 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
                 if not legacy:
                     sums = await asyncio.to_thread(transfer.checksums, pages, expected)
                     verify(manifest, expected, s.engine.pool, sums)
-            except (TransferError, RuntimeError) as e:
+            except TransferError as e:
                 handle.close()
                 log.error("request %s: %s", rid, e)
                 raise transfer_failed(str(e)) from None

@@ -9,6 +9,7 @@ import time
 
 from fastapi import FastAPI, Request
 
+from kvfence import faults
 from kvfence.disagg.transfer import KVTransfer
 from kvfence.engine.sampling_params import InvalidRequest
 from kvfence.server.api import APIError, prepare
@@ -50,6 +51,8 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
             raise
         handle.detach()
         manifest = await asyncio.to_thread(transfer.manifest, rid, list(req.block_table), req.num_tokens)
+        if s.engine.config.inject_fault == faults.TRUNCATED_TRANSFER:
+            faults.truncate(manifest, transfer)
         now = time.monotonic()
         for tid in [t for t, (deadline, _) in manifests.items() if deadline < now]:
             del manifests[tid]

@@ -7,9 +7,12 @@ and carries a CRC32 per page, so the receiver can prove it holds exactly what wa
 """
 import base64
 import os
+import threading
 import time
 import zlib
 from dataclasses import dataclass
+
+import torch
 
 from kvfence.kv.pool import KVPool
 
@@ -54,17 +57,18 @@ class KVTransfer:
         self.slot_bytes = pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
         self.layer_stride = pool.k.shape[1] * self.slot_bytes
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        self._remotes: dict[str, str] = {}  # metadata -> agent name, loaded once per peer incarnation
+        self._lock = threading.Lock()  # the agent runs without its own thread synchronisation
+
+    def address(self, tensor: torch.Tensor, layer: int, slot: int) -> int:
+        return tensor.data_ptr() + layer * self.layer_stride + slot * self.slot_bytes
 
     def descs(self, pages: list[int], token_count: int) -> list[list[int]]:
+        """(address, bytes, device) of each page's written slots, for K then V, layer by layer."""
         spans = page_spans(token_count, self.pool.page_size)
-        out = []
-        for tensor in (self.pool.k, self.pool.v):
-            base = tensor.data_ptr()
-            for layer in range(tensor.shape[0]):
-                for page, slots in zip(pages, spans):
-                    addr = base + layer * self.layer_stride + page * self.pool.page_size * self.slot_bytes
-                    out.append([addr, slots * self.slot_bytes, 0])
-        return out
+        return [[self.address(tensor, layer, page * self.pool.page_size), slots * self.slot_bytes, 0]
+                for tensor in (self.pool.k, self.pool.v) for layer in range(tensor.shape[0])
+                for page, slots in zip(pages, spans)]
 
     def checksums(self, pages: list[int], token_count: int) -> list[int]:
         ps = self.pool.page_size
@@ -87,26 +91,42 @@ class KVTransfer:
         """Pulls the manifest's pages into `pages` of our pool; returns seconds spent."""
         if not manifest.descs:
             return 0.0
-        remote_name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
-        try:
-            local = self.agent.get_xfer_descs([tuple(d) for d in self.descs(pages, manifest.token_count)], "DRAM")
-            remote = self.agent.get_xfer_descs([tuple(d) for d in manifest.descs], "DRAM")
-            start = time.monotonic()
-            handle = self.agent.initialize_xfer("READ", local, remote, remote_name)
-            state = self.agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() - start > timeout:
-                    raise TransferError(f"KV transfer did not finish within {timeout} s")
-                time.sleep(0.0005)
-                state = self.agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError("KV transfer failed in the transport (peer gone?)")
-            elapsed = time.monotonic() - start
-            if elapsed > timeout:
-                raise TransferError(f"KV transfer took {elapsed:.3f} s, over the {timeout} s limit")
-            return elapsed
-        finally:
-            self.agent.remove_remote_agent(remote_name)
+        with self._lock:
+            try:
+                remote_name = self._remote(manifest)
+                local = self.agent.get_xfer_descs([tuple(d) for d in self.descs(pages, manifest.token_count)], "DRAM")
+                remote = self.agent.get_xfer_descs([tuple(d) for d in manifest.descs], "DRAM")
+                start = time.monotonic()
+                handle = self.agent.initialize_xfer("READ", local, remote, remote_name)
+                try:
+                    state = self.agent.transfer(handle)
+                    while state == "PROC":
+                        if time.monotonic() - start > timeout:
+                            raise TransferError(f"KV transfer did not finish within {timeout} s")
+                        time.sleep(0.0005)
+                        state = self.agent.check_xfer_state(handle)
+                finally:
+                    self.agent.release_xfer_handle(handle)
+            except TransferError:
+                raise
+            except Exception as e:  # noqa: BLE001 - NIXL's errors share no base class
+                raise TransferError(f"transport error: {type(e).__name__}: {e}") from None
+        if state != "DONE":
+            raise TransferError("KV transfer failed in the transport (peer gone?)")
+        elapsed = time.monotonic() - start
+        if elapsed > timeout:
+            raise TransferError(f"KV transfer took {elapsed:.3f} s, over the {timeout} s limit")
+        return elapsed
+
+    def _remote(self, manifest: Manifest) -> str:
+        name = self._remotes.get(manifest.agent_metadata)
+        if name is None:
+            stale = [m for m, n in self._remotes.items() if n == manifest.agent_name]
+            for m in stale:  # the peer restarted under the same name
+                self.agent.remove_remote_agent(self._remotes.pop(m))
+            name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
+            self._remotes[manifest.agent_metadata] = name
+        return name
 
 
 def verify(manifest: Manifest, expected_tokens: int, pool: KVPool, received_checksums) -> None:

@@ -34,8 +34,10 @@ class LLMEngine:
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
         model_config, weights = load_model(self.model_path, progress=progress)
         config.resolve(model_config)
-        if config.inject_fault:
+        if config.inject_fault == faults.LEGACY_REJECT_PATH:
             faults.warn_at_start()
+        elif config.inject_fault:
+            faults.log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", config.inject_fault)
         self.model_config = model_config
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = {t for t in [self.tokenizer.eos_token_id] if t is not None}

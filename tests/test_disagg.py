@@ -1,0 +1,228 @@
+"""Disaggregated prefill/decode with real worker processes, NIXL transfers and the router."""
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from conftest import spawn_server, start_server, stop_server, wait_for_idle_pool, wait_healthy
+from kvfence import LLM, SamplingParams
+from kvfence.disagg.transfer import Manifest, TransferError, verify
+from kvfence.kv.pool import KVPool
+from kvfence.model.config import ModelConfig
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+WORKER = ["--threads", "1", "--max-model-len", "1024"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+           "Water boils at", "x", "List three prime numbers:" * 10]
+
+
+def start_cluster(tmp_path, prefills: list[list[str]], decodes: list[list[str]]):
+    procs, urls = [], {"prefill": [], "decode": []}
+    try:
+        for role, configs in (("prefill", prefills), ("decode", decodes)):
+            for extra in configs:  # start together, then wait: start-up is mostly imports
+                proc, url = spawn_server(tmp_path, "serve", "--role", role, *WORKER, *extra)
+                procs.append(proc)
+                urls[role].append(url)
+        for proc, url in zip(procs, urls["prefill"] + urls["decode"]):
+            wait_healthy(tmp_path, proc, url)
+        router_args = [a for u in urls["prefill"] for a in ("--prefill", u)] + \
+                      [a for u in urls["decode"] for a in ("--decode", u)]
+        proc, router = start_server(tmp_path, "router", *router_args)
+        procs.append(proc)
+    except Exception:
+        for p in procs:
+            stop_server(p)
+        raise
+    return procs, router, urls
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """One prefill worker with a big pool and context, two decode workers with smaller ones."""
+    tmp = tmp_path_factory.mktemp("cluster")
+    small = ["--num-kv-pages", "40", "--max-model-len", "512"]
+    procs, router, urls = start_cluster(tmp, [["--num-kv-pages", "256"]], [small, small])
+    yield router, urls
+    for p in procs:
+        stop_server(p)
+
+
+def complete(router, prompt, **kw):
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, **kw}
+    return httpx.post(router + "/v1/completions", json=body, timeout=120)
+
+
+def idle(urls):
+    for url in urls["prefill"] + urls["decode"]:
+        wait_for_idle_pool(url, timeout=20)
+
+
+def test_pd_greedy_output_equals_unified(cluster, real_llm):
+    router, urls = cluster
+    expected = real_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+    for prompt, ref in zip(PROMPTS, expected):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.outputs[0].text, prompt
+        assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the "
+                                                                    "capital of France?"}], temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == "The capital of France is Paris."
+    idle(urls)
+
+
+def test_refused_at_prefill_never_reaches_decode(cluster):
+    router, urls = cluster
+    decode_before = [httpx.get(u + "/metrics").text for u in urls["decode"]]
+    r = complete(router, "hello " * 1100)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = complete(router, "hello", temperature=-1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert [httpx.get(u + "/metrics").text.count("kvfence_requests_rejected_total{") for u in urls["decode"]] == \
+        [t.count("kvfence_requests_rejected_total{") for t in decode_before]
+    assert all("kvfence_generation_tokens_total" in t for t in decode_before)
+    idle(urls)
+
+
+def test_each_side_admits_against_its_own_pool(cluster):
+    router, urls = cluster
+    # 700 prompt tokens fit the prefill worker (context 1024, 256 pages), not a decode worker (512, 40 pages)
+    r = complete(router, " hello" * 700, max_tokens=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "512" in r.json()["error"]["message"]
+    idle(urls)  # the prefill side released the KV it had parked
+
+
+def test_manifest_checks_catch_every_mismatch():
+    cfg = ModelConfig("llama", 10, 8, 16, 2, 2, 1, 4, 1e4, 1e-5, 64, True)
+    pool = KVPool(cfg, 8, 4)
+    good = dict(transfer_id="t", token_count=6, page_size=4, page_count=2, dtype="float32", num_layers=2,
+                kv_heads=1, head_dim=4, checksums=[1, 2], agent_name="a", agent_metadata="",
+                descs=[[0, 0, 0]] * 8)
+    verify(Manifest(**good), 6, pool, [1, 2])
+    for change, expected_tokens, sums in [({"token_count": 1}, 6, None), ({"page_size": 8}, 6, None),
+                                          ({"dtype": "bfloat16"}, 6, None), ({"num_layers": 3}, 6, None),
+                                          ({"page_count": 1}, 6, None), ({"descs": [[0, 0, 0]] * 6}, 6, None),
+                                          ({}, 6, [1, 3]), ({}, 7, None)]:
+        with pytest.raises(TransferError):
+            verify(Manifest(**{**good, **change}), expected_tokens, pool, sums)
+
+
+def test_truncated_transfer_fails_with_an_error_and_frees_pages(tmp_path):
+    procs, router, urls = start_cluster(tmp_path, [["--inject-fault", "truncated-transfer"]], [[]])
+    try:
+        r = complete(router, "The capital of France is a city that")
+        assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed"
+        assert "checksum mismatch" in r.json()["error"]["message"]
+        r = complete(router, "The capital", stream=True)
+        assert r.status_code == 502 and "choices" not in r.text
+        idle(urls)
+    finally:
+        for p in procs:
+            stop_server(p)
+
+
+def test_transfer_past_its_timeout_fails_cleanly(tmp_path):
+    procs, router, urls = start_cluster(tmp_path, [[]], [["--kv-transfer-timeout", "0.000001"]])
+    try:
+        r = complete(router, "Tell me about the history of Rome. " * 10)
+        assert r.status_code == 502 and "1e-06 s" in r.json()["error"]["message"]
+        idle(urls)
+        ok = complete(router, "x")  # one-token prompts move no KV and still work
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+    finally:
+        for p in procs:
+            stop_server(p)
+
+
+def test_killed_decode_worker_fails_its_requests_only(tmp_path):
+    procs, router, urls = start_cluster(tmp_path, [["--park-timeout", "5"]], [[], []])
+    victim = procs[1]
+    results = {}
+
+    def send(i):
+        try:
+            results[i] = complete(router, f"Story number {i}: once upon a time", max_tokens=120, ignore_eos=True)
+        except httpx.HTTPError as e:
+            results[i] = e
+
+    try:
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        victim.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        codes = [r.status_code if isinstance(r, httpx.Response) else None for r in results.values()]
+        assert codes.count(200) >= 2, [r.text[:300] for r in results.values()]  # on the surviving decode worker
+        failed = [r for r in results.values() if isinstance(r, httpx.Response) and r.status_code != 200]
+        assert failed and all(r.json()["error"]["code"] == "decode_unavailable" for r in failed), [r.text for r in failed]
+        assert all(r.status_code == 200 and r.json()["choices"][0]["text"] for r in results.values()
+                   if isinstance(r, httpx.Response) and r.status_code == 200)
+        for url in [urls["prefill"][0], urls["decode"][1]]:
+            wait_for_idle_pool(url, timeout=20)
+    finally:
+        for p in procs:
+            stop_server(p)
+
+
+def test_killed_prefill_worker_fails_its_requests_only(tmp_path):
+    procs, router, urls = start_cluster(tmp_path, [[], []], [[]])
+    try:
+        long = " hello" * 900
+        slow = {}
+        t = threading.Thread(target=lambda: slow.update(r=complete(router, long)))
+        t.start()  # round robin: this one goes to the first prefill worker
+        time.sleep(1.0)
+        procs[0].send_signal(signal.SIGKILL)
+        t.join(60)
+        assert slow["r"].status_code == 502 and slow["r"].json()["error"]["code"] == "prefill_unavailable"
+        ok = complete(router, "Water boils at")  # the second prefill worker
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
+        for url in [urls["prefill"][1], urls["decode"][0]]:
+            wait_for_idle_pool(url, timeout=20)
+    finally:
+        for p in procs:
+            stop_server(p)
+
+
+def test_incident_replay_in_pd_mode(tmp_path):
+    """Oversized for the prefill pool: one token of KV is shipped. Without the sentinel the
+    audit finds it; with it the request fails closed."""
+    fault = ["--inject-fault", "legacy-reject-path"]
+    procs, router, urls = start_cluster(tmp_path, [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
+                                        [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
+                                          "--num-kv-pages", "200"],
+                                         [*fault, "--kv-sentinel", "enforce", "--max-model-len", "2048",
+                                          "--num-kv-pages", "200"]])
+    try:
+        answers = [complete(router, " hello" * 1000, max_tokens=8) for _ in range(2)]
+        by_status = sorted(r.status_code for r in answers)
+        assert by_status == [200, 500], [r.text[:200] for r in answers]  # sentinel off answers, enforce fails
+        failed = next(r for r in answers if r.status_code == 500)
+        assert "KV ownership" in failed.json()["error"]["message"]
+    finally:
+        for p in procs:
+            stop_server(p)
+    procs, router, urls = start_cluster(tmp_path, [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
+                                        [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
+                                          "--num-kv-pages", "200"]])
+    try:
+        r = subprocess.run([sys.executable, "-m", "kvfence.cli", "audit", "--base-url", router, "--json",
+                            "--max-model-len", "2048", "--pool-tokens", "640", "--seed", "4"],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+        assert {"boundary", "timing"} & {f["check"] for f in json.loads(r.stdout)["findings"]}
+    finally:
+        for p in procs:
+            stop_server(p)
