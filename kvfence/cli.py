@@ -156,6 +156,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from kvfence import benchmark
+
+    return benchmark.main(args)
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -238,6 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads-per-worker", type=int, default=1)
     p.add_argument("worker_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_cluster)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bench = p.add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("serve", help="seeded load against any OpenAI-compatible server")
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model", default=None, help="default: the first listed by /v1/models")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--concurrency", default="16", help="in-flight requests; a comma list runs one pass per level")
+    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--no-ignore-eos", action="store_true", help="for servers that reject ignore_eos")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--plot", default=None, help="write a PNG of latency against load (needs matplotlib)")
+    p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("audit", help="black-box leak and consistency audit of an OpenAI-compatible server")
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

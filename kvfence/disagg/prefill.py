@@ -24,7 +24,12 @@ def single_prompt(p) -> list[int]:
 
 
 def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
-    manifests: dict[str, tuple[float, dict]] = {}
+    manifests: dict[str, tuple[float, dict]] = {}  # transfer id -> (deadline, manifest and tenant)
+
+    def pulled(transfer_id: str) -> None:
+        """The decode worker's read is done (its notification arrived): free the pages now."""
+        manifests.pop(transfer_id, None)  # atomic; this runs on the transport's polling thread
+        app.state.server.async_engine.post(lambda e: e.release_parked(transfer_id))
 
     async def prefill(request: Request, chat: bool):
         s = request.app.state.server
@@ -50,13 +55,16 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
             handle.close()
             raise
         handle.detach()
+        transfer.on_pulled = pulled
         manifest = await asyncio.to_thread(transfer.manifest, rid, list(req.block_table), req.num_tokens)
         if s.engine.config.inject_fault == faults.TRUNCATED_TRANSFER:
             faults.truncate(manifest, transfer)
         now = time.monotonic()
-        for tid in [t for t, (deadline, _) in manifests.items() if deadline < now]:
-            del manifests[tid]
+        for tid, (deadline, _) in list(manifests.items()):
+            if deadline < now:
+                manifests.pop(tid, None)
         manifests[rid] = (now + park_timeout, {"tenant": p.tenant, **manifest.to_dict()})
+        transfer.expect(rid, park_timeout)
         return {"transfer_id": rid, "prompt_tokens": len(prompt), "kv_tokens": manifest.token_count}
 
     @app.post("/internal/prefill/v1/completions")
@@ -82,6 +90,6 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         entry = manifests.get(transfer_id)
         if entry is None or entry[1]["tenant"] != tenant:
             raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
-        del manifests[transfer_id]
+        manifests.pop(transfer_id, None)
         await s.async_engine.call(lambda e: e.release_parked(transfer_id))
         return {"released": transfer_id}

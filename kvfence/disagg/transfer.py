@@ -52,13 +52,43 @@ class KVTransfer:
 
         self.pool = pool
         self.name = name or f"kvfence-{os.getpid()}-{id(self):x}"
-        self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+        # No progress thread: it spins a core while idle; the puller drives progress by polling.
+        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         self.agent.register_memory([pool.k, pool.v])
         self.slot_bytes = pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
         self.layer_stride = pool.k.shape[1] * self.slot_bytes
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._remotes: dict[str, str] = {}  # metadata -> agent name, loaded once per peer incarnation
         self._lock = threading.Lock()  # the agent runs without its own thread synchronisation
+        self._expected: dict[str, float] = {}  # transfer id -> deadline, on the sending side
+        self._wake = threading.Event()
+        self.on_pulled = None  # sending side: called with a transfer id once its reader is done
+
+    def expect(self, transfer_id: str, timeout: float) -> None:
+        """Sending side: a reader will pull `transfer_id`. Without a progress thread the
+        transport moves data only while this side polls, so poll until it is done."""
+        with self._lock:
+            self._expected[transfer_id] = time.monotonic() + timeout
+            self._wake.set()
+            if not getattr(self, "_pump", None):
+                self._pump = threading.Thread(target=self._poll, name="kvfence-transfer", daemon=True)
+                self._pump.start()
+
+    def _poll(self) -> None:
+        while True:
+            self._wake.wait()
+            with self._lock:
+                notes = self.agent.get_new_notifs()
+                now = time.monotonic()
+                done = [msg.decode() for msgs in notes.values() for msg in msgs]
+                for tid in done + [t for t, deadline in self._expected.items() if deadline < now]:
+                    self._expected.pop(tid, None)
+                if not self._expected:
+                    self._wake.clear()
+            for tid in done:
+                if self.on_pulled:
+                    self.on_pulled(tid)
+            time.sleep(0.001)
 
     def address(self, tensor: torch.Tensor, layer: int, slot: int) -> int:
         return tensor.data_ptr() + layer * self.layer_stride + slot * self.slot_bytes
@@ -71,13 +101,15 @@ class KVTransfer:
                 for page, slots in zip(pages, spans)]
 
     def checksums(self, pages: list[int], token_count: int) -> list[int]:
+        """CRC32 of each page's written slots, K then V, layer by layer (read in place)."""
         ps = self.pool.page_size
+        k, v = self.pool.k.numpy(), self.pool.v.numpy()
         sums = []
         for page, slots in zip(pages, page_spans(token_count, ps)):
             crc = 0
-            for tensor in (self.pool.k, self.pool.v):
-                data = tensor[:, page * ps:page * ps + slots].contiguous()
-                crc = zlib.crc32(data.numpy().tobytes(), crc)
+            for tensor in (k, v):
+                for layer in tensor:
+                    crc = zlib.crc32(layer[page * ps:page * ps + slots], crc)
             sums.append(crc)
         return sums
 
@@ -94,10 +126,12 @@ class KVTransfer:
         with self._lock:
             try:
                 remote_name = self._remote(manifest)
-                local = self.agent.get_xfer_descs([tuple(d) for d in self.descs(pages, manifest.token_count)], "DRAM")
-                remote = self.agent.get_xfer_descs([tuple(d) for d in manifest.descs], "DRAM")
+                local, remote = coalesce(self.descs(pages, manifest.token_count), manifest.descs)
+                local = self.agent.get_xfer_descs(local, "DRAM")
+                remote = self.agent.get_xfer_descs(remote, "DRAM")
                 start = time.monotonic()
-                handle = self.agent.initialize_xfer("READ", local, remote, remote_name)
+                handle = self.agent.initialize_xfer("READ", local, remote, remote_name,
+                                                    manifest.transfer_id.encode())
                 try:
                     state = self.agent.transfer(handle)
                     while state == "PROC":
@@ -127,6 +161,24 @@ class KVTransfer:
             name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
             self._remotes[manifest.agent_metadata] = name
         return name
+
+
+def coalesce(local: list[list[int]], remote: list[list[int]]) -> tuple[list[tuple], list[tuple]]:
+    """Merges neighbouring regions that are contiguous on both sides (runs of adjacent
+    pages), so a transfer posts a few large regions instead of one per page and layer."""
+    if len(local) != len(remote):
+        raise TransferError(f"{len(remote)} remote regions for {len(local)} local ones")
+    out_local, out_remote = [], []
+    for (la, ln, ld), (ra, rn, rd) in zip(local, remote):
+        if ln != rn:
+            raise TransferError(f"a remote region of {rn} bytes for a local one of {ln}")
+        if out_local and out_local[-1][0] + out_local[-1][1] == la and out_remote[-1][0] + out_remote[-1][1] == ra:
+            out_local[-1][1] += ln
+            out_remote[-1][1] += rn
+        else:
+            out_local.append([la, ln, ld])
+            out_remote.append([ra, rn, rd])
+    return [tuple(d) for d in out_local], [tuple(d) for d in out_remote]
 
 
 def verify(manifest: Manifest, expected_tokens: int, pool: KVPool, received_checksums) -> None:

@@ -63,6 +63,10 @@ class AsyncEngine:
             self._streams[rid] = _Stream(handle.loop, handle.queue, i * n)
         return handle
 
+    def post(self, fn) -> None:
+        """Runs fn(engine) on the engine thread, without waiting (callable from any thread)."""
+        self._inbox.put(("call", None, fn))
+
     async def call(self, fn):
         """Runs fn(engine) on the engine thread (the only thread that touches the engine)."""
         future = asyncio.get_running_loop().create_future()
@@ -92,8 +96,10 @@ class AsyncEngine:
                 result, error = fn(self.engine), None
             except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 result, error = None, e
-            loop = future.get_loop()
-            loop.call_soon_threadsafe(_settle, future, result, error)
+            if future is not None:
+                future.get_loop().call_soon_threadsafe(_settle, future, result, error)
+            elif error is not None:
+                log.error("engine call failed: %s", error)
             return
         if kind == "abort":
             self.engine.abort(rid)
