@@ -226,3 +226,19 @@ def test_incident_replay_in_pd_mode(tmp_path):
     finally:
         for p in procs:
             stop_server(p)
+
+
+def test_audit_is_clean_over_pd_with_a_killed_decode_worker(tmp_path):
+    pool = ["--num-kv-pages", "128"]
+    procs, router, urls = start_cluster(tmp_path, [pool], [pool, pool])
+    try:
+        procs[2].send_signal(signal.SIGKILL)  # the router routes around a worker that refuses connections
+        procs[2].wait(10)
+        r = subprocess.run([sys.executable, "-m", "kvfence.cli", "audit", "--base-url", router, "--json",
+                            "--seed", "5", "--canaries", "12"], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        for url in [urls["prefill"][0], urls["decode"][0]]:
+            wait_for_idle_pool(url, timeout=20)
+    finally:
+        for p in procs:
+            stop_server(p)

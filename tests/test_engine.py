@@ -179,3 +179,18 @@ def test_sentinel_fails_corrupted_requests_and_serves_the_others(tiny_llama_dir)
     assert_pool_empty(engine)
     (after,) = engine.add_request([1, 2, 3], params)
     assert run_all(engine)[(after.parent_id, 0)].finish_reason == "length"
+
+
+def test_unsupported_models_get_a_clear_error(tmp_path):
+    import json
+
+    from kvfence.model.loader import ModelLoadError
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):
+        LLMEngine(EngineConfig(model=str(tmp_path)), progress=False)
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "missing.gguf")), progress=False)
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "junk.gguf")), progress=False)

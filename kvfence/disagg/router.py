@@ -26,8 +26,14 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
 
 def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600) -> FastAPI:
     app = FastAPI(title="kvfence router")
-    prefills = itertools.cycle([u.rstrip("/") for u in prefill_urls])
-    decodes = itertools.cycle([u.rstrip("/") for u in decode_urls])
+    prefill_urls = [u.rstrip("/") for u in prefill_urls]
+    decode_urls = [u.rstrip("/") for u in decode_urls]
+    turns = itertools.count()
+
+    def in_turn(urls: list[str]) -> list[str]:
+        """Every worker once, starting with the next in round-robin order."""
+        start = next(turns) % len(urls)
+        return urls[start:] + urls[:start]
     client = httpx.AsyncClient(timeout=timeout)
     registry = CollectorRegistry()
     routed = Counter("kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry)
@@ -42,7 +48,7 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: floa
 
     @app.get("/v1/models")
     async def models(request: Request):
-        url = next(prefills)
+        url = in_turn(prefill_urls)[0]
         try:
             r = await client.get(url + "/v1/models", headers=_forward(request))
         except httpx.HTTPError:
@@ -52,27 +58,43 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: floa
     async def route(request: Request, path: str):
         body = await request.body()
         headers = _forward(request)
-        prefill = next(prefills)
-        try:
-            r = await client.post(f"{prefill}/internal/prefill{path}", content=body, headers=headers)
-        except httpx.HTTPError as e:
+        # A worker that refuses the connection never saw the request: try the next one.
+        for prefill in in_turn(prefill_urls):
+            try:
+                r = await client.post(f"{prefill}/internal/prefill{path}", content=body, headers=headers)
+                break
+            except httpx.ConnectError:
+                log.warning("prefill worker %s refuses connections; trying the next", prefill)
+            except httpx.HTTPError as e:
+                routed.labels("prefill_unavailable").inc()
+                return _error(502, f"prefill worker {prefill} failed: {type(e).__name__}", "prefill_unavailable")
+        else:
             routed.labels("prefill_unavailable").inc()
-            return _error(502, f"prefill worker {prefill} failed: {type(e).__name__}", "prefill_unavailable")
+            return _error(502, "no prefill worker accepts connections", "prefill_unavailable")
         if r.status_code != 200:  # refused at prefill: the decode side never hears of it
             routed.labels("refused_at_prefill").inc()
             return Response(r.content, status_code=r.status_code, media_type="application/json",
                             headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
         transfer_id = r.json()["transfer_id"]
-        decode = next(decodes)
-        forward = client.build_request("POST", f"{decode}/internal/decode{path}", content=body, headers={
-            **headers, PREFILL_URL_HEADER: prefill, TRANSFER_ID_HEADER: transfer_id})
-        try:
-            upstream = await client.send(forward, stream=True)
-        except httpx.HTTPError as e:
+        upstream = None
+        for decode in in_turn(decode_urls):
+            forward = client.build_request("POST", f"{decode}/internal/decode{path}", content=body, headers={
+                **headers, PREFILL_URL_HEADER: prefill, TRANSFER_ID_HEADER: transfer_id})
+            try:
+                upstream = await client.send(forward, stream=True)
+                break
+            except httpx.ConnectError:
+                log.warning("decode worker %s refuses connections; trying the next", decode)
+            except httpx.HTTPError as e:
+                failure = f"decode worker {decode} failed: {type(e).__name__}"
+                break
+        else:
+            failure = "no decode worker accepts connections"
+        if upstream is None:
             routed.labels("decode_unavailable").inc()
             if transfer_id:
                 await _quietly(client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers))
-            return _error(502, f"decode worker {decode} failed: {type(e).__name__}", "decode_unavailable")
+            return _error(502, failure, "decode_unavailable")
         routed.labels("ok" if upstream.status_code == 200 else "failed_at_decode").inc()
         media = upstream.headers.get("content-type", "application/json")
         if not media.startswith("text/event-stream"):
