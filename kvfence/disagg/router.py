@@ -28,11 +28,11 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: floa
     app = FastAPI(title="kvfence router")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
-    turns = itertools.count()
+    turns = {id(prefill_urls): itertools.count(), id(decode_urls): itertools.count()}
 
     def in_turn(urls: list[str]) -> list[str]:
-        """Every worker once, starting with the next in round-robin order."""
-        start = next(turns) % len(urls)
+        """Every worker of one role once, starting with the next in that role's round robin."""
+        start = next(turns[id(urls)]) % len(urls)
         return urls[start:] + urls[:start]
     client = httpx.AsyncClient(timeout=timeout)
     registry = CollectorRegistry()
