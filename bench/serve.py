@@ -97,10 +97,11 @@ def main() -> None:
         print(benchmark.format_table(reports[kind]).replace(url, kind), flush=True)
     print(f"\nmachine: {machine_line()}; {args.num_requests} requests, concurrency {args.concurrency}")
     base = reports.get("kvfence")
+    ms = lambda v: "-" if v is None else f"{1000 * v:.1f}"  # noqa: E731
     for kind, r in reports.items():
         ratio = f"{r['output_tok_s'] / base['output_tok_s']:.2f}x of unified" if base else ""
-        print(f"{kind:14} {r['output_tok_s']:8.1f} output tok/s  TTFT median {1000 * r['ttft_s']['median']:8.1f} ms  "
-              f"ITL median {1000 * r['itl_s']['median']:6.1f} ms  {ratio}")
+        print(f"{kind:14} {r['output_tok_s']:8.1f} output tok/s  TTFT median {ms(r['ttft_s']['median']):>8} ms  "
+              f"ITL median {ms(r['itl_s']['median']):>6} ms  {r['failed']} failed  {ratio}")
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2))
 
