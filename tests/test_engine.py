@@ -194,3 +194,14 @@ def test_unsupported_models_get_a_clear_error(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
     with pytest.raises(ModelLoadError, match="not a readable GGUF"):
         LLMEngine(EngineConfig(model=str(tmp_path / "junk.gguf")), progress=False)
+
+
+@pytest.mark.parametrize("scrub", ["off", "on-free"])
+def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub):
+    engine = tiny_engine(tiny_llama_dir, kv_scrub=scrub, prefix_cache=False)
+    (req,) = engine.add_request(list(range(5, 30)), SamplingParams(max_tokens=4, **GREEDY))
+    engine.step()
+    pages = list(req.block_table)
+    run_all(engine)
+    k = engine.pool.k.view(engine.pool.k.shape[0], -1, 4, *engine.pool.k.shape[2:])[:, pages]
+    assert (k.abs().sum() == 0) == (scrub == "on-free")
