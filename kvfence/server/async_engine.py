@@ -39,10 +39,6 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def submit(self, prompts: list[list[int]], params: SamplingParams, tenant: str) -> "RequestHandle":
         """Admits the prompts or raises (InvalidRequest, Overloaded) before anything is queued."""
         for prompt in prompts:
