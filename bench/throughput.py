@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--json", type=Path, default=None)
@@ -86,8 +89,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     peak = matmul_peak_gflops()
-    llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=64,
-              max_num_batched_tokens=512, kv_sentinel=args.sentinel, kv_scrub=args.scrub)
+    llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
+              kv_sentinel=args.sentinel, kv_scrub=args.scrub)
     cfg = llm.engine.model_config
     workload = mixed_workload(args.num_requests, args.seed)
     llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up

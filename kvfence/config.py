@@ -24,6 +24,7 @@ class EngineConfig:
     num_threads: int | None = None
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free
+    attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     min_batch_rows: int = 4            # MKL gives batch-independent rows from 4 rows up
@@ -52,6 +53,10 @@ class EngineConfig:
             raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
         if self.kv_scrub not in ("off", "on-free"):
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
+        if self.attention not in ("auto", "kernel", "torch"):
+            raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
+        if self.attention == "kernel" and self.device != "cpu":
+            raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":
             check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
 

@@ -66,13 +66,15 @@ def compare_batched(llm, hf_model, prompts, max_tokens, atol):
     return results
 
 
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_model_logits_match_transformers(arch, request):
+def test_tiny_model_logits_match_transformers(arch, attention, request):
     """Prefill in chunks and decode, batched with prompts of other lengths, page size 5."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}_dir")
-    llm = LLM(str(path), page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    llm = LLM(str(path), page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8,
+              attention=attention)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompts = ["hello", "a longer prompt that will need several chunks of prefill to get through", "x y z w"]
     compare_batched(llm, hf, prompts, max_tokens=6, atol=1e-4)

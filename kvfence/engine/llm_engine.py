@@ -17,6 +17,7 @@ from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
+from kvfence.model.kernels import decode_kernel
 from kvfence.model.llama import LlamaModel
 from kvfence.model.loader import load_model, resolve_model_path
 from kvfence.model.tokenizer import IncrementalDetokenizer, load_tokenizer
@@ -48,7 +49,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
         self.runner = ModelRunner(LlamaModel(model_config, weights, config.device), self.pool, self.allocator,
-                                  config.kv_sentinel, config.min_batch_rows)
+                                  config.kv_sentinel, config.min_batch_rows, decode_kernel(config.attention, config.device))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.parked: dict[str, Request] = {}     # prefilled, pages held for a decode worker to pull

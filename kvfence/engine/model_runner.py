@@ -1,5 +1,6 @@
 """Turns a scheduled batch into tensors, checks ownership, and runs the model once."""
 import logging
+from typing import Callable
 
 import torch
 
@@ -14,8 +15,10 @@ log = logging.getLogger("kvfence.sentinel")
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str, min_rows: int):
+    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str, min_rows: int,
+                 decode_kernel: Callable | None = None):
         self.model = model
+        self.decode_kernel = decode_kernel
         self.pool = pool
         self.allocator = allocator
         self.sentinel = sentinel
@@ -71,19 +74,12 @@ class ModelRunner:
         positions += [0] * pad
         slots += [self.pool.scratch_slot] * pad
 
-        decode_slots = decode_mask = None
+        block_table = lengths = None
         if decodes:
-            lengths = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes])
-            max_len = int(lengths.max())
-            max_pages = -(-max_len // ps)
-            table = torch.full((len(decodes), max_pages), scratch_page, dtype=torch.long)
-            for i, (req, _) in enumerate(decodes):
-                pages = req.block_table[:max_pages]
-                table[i, :len(pages)] = torch.tensor(pages)
-            pos = torch.arange(max_len)
-            valid = pos[None, :] < lengths[:, None]
-            decode_slots = torch.where(valid, table[:, pos // ps] * ps + pos % ps, self.pool.scratch_slot)
-            decode_mask = valid[:, None, None, :]
+            lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
+            width = -(-max(lengths) // ps)
+            block_table = [r.block_table[:width] + [scratch_page] * (width - len(r.block_table[:width]))
+                           for r, _ in decodes]
         chunks = []
         row = len(decodes)
         for req, n in prefills:
@@ -92,8 +88,9 @@ class ModelRunner:
             pos = torch.arange(length)
             table = torch.tensor(req.block_table[:-(-length // ps)])
             context = table[pos // ps] * ps + pos % ps
-            mask = pos[None, :] <= torch.arange(start, length)[:, None]
-            chunks.append(PrefillChunk(row, row + n, context.to(self.device), mask.to(self.device)))
+            # A chunk from position 0 is plainly causal, which lets attention skip the masked half.
+            mask = None if start == 0 else (pos[None, :] <= torch.arange(start, length)[:, None]).to(self.device)
+            chunks.append(PrefillChunk(row, row + n, context.to(self.device), mask))
             row += n
 
         sample_rows, sampled, row = [], [], 0
@@ -108,10 +105,12 @@ class ModelRunner:
         to = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = AttentionMetadata(
             slot_mapping=to(slots),
+            page_size=ps,
             num_decode=len(decodes),
-            decode_slots=None if decode_slots is None else decode_slots.to(self.device),
-            decode_mask=None if decode_mask is None else decode_mask.to(self.device),
+            decode_block_table=None if block_table is None else to(block_table),
+            decode_lens=None if lengths is None else to(lengths),
             prefills=chunks,
+            decode_kernel=self.decode_kernel,
         )
         logits = self.model.forward(to(ids), to(positions), meta, self.pool, to(sample_rows))
         return logits[:num_sampled].float().cpu(), sampled

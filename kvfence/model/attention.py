@@ -1,5 +1,7 @@
 """Paged attention: each request reads K/V only through the slots of its own block table."""
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -10,22 +12,39 @@ class PrefillChunk:
     row_start: int          # rows [row_start, row_end) of the batch are this chunk's tokens
     row_end: int
     context_slots: torch.Tensor  # [L] pool slots of positions 0..L-1 of this request
-    mask: torch.Tensor           # [Q, L] bool, causal
+    mask: torch.Tensor | None    # [Q, L] bool, causal; None: the chunk starts at position 0 (Q == L)
 
 
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor   # [T] slot each row's new K/V is written to
+    page_size: int
     num_decode: int              # rows [0, num_decode) are single-token decode steps
-    decode_slots: torch.Tensor | None  # [Rd, Lmax] context slots, padding points at the scratch slot
-    decode_mask: torch.Tensor | None   # [Rd, 1, 1, Lmax] bool
+    decode_block_table: torch.Tensor | None  # [Rd, P] pages; past a request's length, the scratch page
+    decode_lens: torch.Tensor | None         # [Rd] context length including this step's token
     prefills: list[PrefillChunk]
+    decode_kernel: Callable | None = None    # reads the pool in place (kernels.py); None: gather in PyTorch
+
+    @cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[Rd, 1, 1, P * page_size] bool: the positions each decode row may attend to."""
+        width = self.decode_block_table.shape[1] * self.page_size
+        positions = torch.arange(width, device=self.decode_lens.device)
+        return (positions[None, :] < self.decode_lens[:, None])[:, None, None, :]
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """[Rd, KVH, P * page_size, D]: whole pages copied out of the pool in block-table order."""
+    rd, num_pages = block_table.shape
+    pages = cache.view(-1, page_size * cache.shape[1] * cache.shape[2])
+    picked = pages.index_select(0, block_table.flatten())
+    return picked.view(rd, num_pages * page_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -37,17 +56,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.zeros_like(q)
     if meta.num_decode:
         rd = meta.num_decode
-        # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
-        qd = q[:rd].view(rd, num_kv_heads, group, head_dim)
-        k = k_cache[meta.decode_slots].transpose(1, 2)  # [Rd, KVH, Lmax, D]
-        v = v_cache[meta.decode_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:rd] = o.reshape(rd, num_heads, head_dim)
+        if meta.decode_kernel is not None:
+            out[:rd] = meta.decode_kernel(q[:rd].contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                          meta.decode_lens, meta.page_size, scale)
+        else:
+            # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
+            qd = q[:rd].view(rd, num_kv_heads, group, head_dim)
+            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size)
+            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+            out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:
         qp = q[chunk.row_start:chunk.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
         k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
         v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, scale=scale,
-                                           enable_gqa=group > 1)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                           scale=scale, enable_gqa=group > 1)
         out[chunk.row_start:chunk.row_end] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,66 @@
+"""The C++ decode-attention kernel against the PyTorch gather path, and its bounds checks."""
+import pytest
+import torch
+
+from kvfence.model.attention import AttentionMetadata, paged_attention
+from kvfence.model.kernels import cpu_attention_kernel
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = cpu_attention_kernel()
+    assert kernel is not None, "the CPU attention kernel must build here"
+    return kernel
+
+
+def random_batch(lengths, page_size=5, num_pages=64, kv_heads=3, heads=9, dim=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = (num_pages + 1) * page_size
+    k = torch.randn(slots, kv_heads, dim, generator=gen)
+    v = torch.randn(slots, kv_heads, dim, generator=gen)
+    width = -(-max(lengths) // page_size)
+    pages = torch.randperm(num_pages, generator=gen).tolist()
+    table = []
+    for n in lengths:
+        mine, pages = pages[:-(-n // page_size)], pages[-(-n // page_size):]
+        table.append(mine + [num_pages] * (width - len(mine)))  # padding: the scratch page
+    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    return q, k, v, torch.tensor(table), torch.tensor(lengths)
+
+
+def meta(table, lengths, page_size, kernel):
+    return AttentionMetadata(slot_mapping=torch.zeros(len(lengths), dtype=torch.long), page_size=page_size,
+                             num_decode=len(lengths), decode_block_table=table, decode_lens=lengths,
+                             prefills=[], decode_kernel=kernel)
+
+
+def test_kernel_matches_gathered_attention(kernel):
+    lengths = [1, 4, 5, 6, 33, 100]
+    q, k, v, table, lens = random_batch(lengths)
+    ours = paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125)
+    ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_only_its_own_pages(kernel):
+    """Filling every page a request does not own with garbage changes nothing it computes."""
+    q, k, v, table, lens = random_batch([7, 12])
+    before = kernel(q, k, v, table, lens, 5, 0.125)
+    own = {int(p) for row, n in zip(table, lens) for p in row[:-(-int(n) // 5)]}
+    for page in set(range(65)) - own:
+        k[page * 5:(page + 1) * 5] = 1e6
+        v[page * 5:(page + 1) * 5] = float("nan")
+    torch.testing.assert_close(kernel(q, k, v, table, lens, 5, 0.125), before, atol=0, rtol=0)
+
+
+def test_kernel_refuses_pages_outside_the_pool(kernel):
+    q, k, v, table, lens = random_batch([7, 12])
+    table[1, 1] = 65  # one past the scratch page
+    with pytest.raises(RuntimeError, match="page outside the pool"):
+        kernel(q, k, v, table, lens, 5, 0.125)
+    table[1, 1] = -1
+    with pytest.raises(RuntimeError, match="page outside the pool"):
+        kernel(q, k, v, table, lens, 5, 0.125)
+    lens[0] = 100  # longer than its block table
+    with pytest.raises(RuntimeError, match="length outside the block table"):
+        kernel(q, k, v, table, lens, 5, 0.125)
