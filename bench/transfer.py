@@ -9,6 +9,7 @@ timed with the receiver's per-page checksum verification.
 """
 import argparse
 import multiprocessing as mp
+import queue
 import statistics
 import sys
 import time
@@ -44,11 +45,10 @@ def sender(conn, tokens_list: list[int], page_size: int) -> None:
     pool.v.normal_()
     ours = KVTransfer(pool, "bench-sender")
     raw_agent = nixl_agent("bench-raw-sender", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    buffers = {}
-    for tokens in tokens_list:
-        buf = torch.randn(tokens * SMOLLM2.kv_bytes_per_token // 4)
+    buffers = {tokens: torch.randn(tokens * SMOLLM2.kv_bytes_per_token // 4) for tokens in tokens_list}
+    for buf in buffers.values():
         raw_agent.register_memory(buf)
-        buffers[tokens] = buf
+    for tokens, buf in buffers.items():
         manifests = [ours.manifest(f"t{tokens}-{s}", pages_for(tokens, page_size, 1, s), tokens) for s in (False, True)]
         conn.send((tokens, manifests, raw_agent.get_agent_metadata(),
                    raw_agent.get_serialized_descs(raw_agent.get_xfer_descs(buf))))
@@ -76,14 +76,21 @@ def receiver(conn, tokens_list: list[int], page_size: int, repeats: int, out) ->
         remote_name = raw_agent.add_remote_agent(raw_meta)
         remote = raw_agent.deserialize_descs(raw_descs)
         times = {"raw": [], "run": [], "run+verify": [], "scattered": [], "scattered+verify": []}
+        stalls = 0
         for _ in range(repeats):
-            t = time.perf_counter()
-            h = raw_agent.initialize_xfer("READ", raw_agent.get_xfer_descs(local), remote, remote_name)
-            state = raw_agent.transfer(h)
-            while state == "PROC":
-                state = raw_agent.check_xfer_state(h)
-            times["raw"].append(time.perf_counter() - t)
-            raw_agent.release_xfer_handle(h)
+            while True:  # a raw READ was seen to stall now and then; count it and post it again
+                t = time.perf_counter()
+                h = raw_agent.initialize_xfer("READ", raw_agent.get_xfer_descs(local), remote, remote_name)
+                state = raw_agent.transfer(h)
+                while state == "PROC" and time.perf_counter() - t < 5:
+                    state = raw_agent.check_xfer_state(h)
+                if state == "DONE":
+                    times["raw"].append(time.perf_counter() - t)
+                    raw_agent.release_xfer_handle(h)
+                    break
+                stalls += 1
+                if stalls > 5:
+                    raise RuntimeError(f"raw NIXL READ of {tokens} tokens stalled {stalls} times")
             for name, manifest, scattered in (("run", manifests[0], False), ("scattered", manifests[1], True)):
                 pages = pages_for(tokens, page_size, 2, scattered)
                 times[name].append(ours.read(manifest, pages, timeout=60))
@@ -91,10 +98,20 @@ def receiver(conn, tokens_list: list[int], page_size: int, repeats: int, out) ->
                 ours.read(manifest, pages, timeout=60)
                 verify(manifest, tokens, pool, ours.checksums(pages, tokens))
                 times[name + "+verify"].append(time.perf_counter() - t)
-        results.append({"tokens": tokens, "bytes": nbytes,
-                        **{k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}})
+        out.put({"tokens": tokens, "bytes": nbytes, "raw_stalls": stalls, **{k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}})
     conn.send("done")
-    out.put(results)
+
+
+def next_result(out, procs, timeout: float = 600) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return out.get(timeout=1)
+        except queue.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"{dead[0].name} died with exit code {dead[0].exitcode}")
+    raise SystemExit(f"no result within {timeout} s")
 
 
 def main() -> None:
@@ -104,24 +121,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    out = ctx.Queue()
-    procs = [ctx.Process(target=sender, args=(a, tokens, args.page_size)),
-             ctx.Process(target=receiver, args=(b, tokens, args.page_size, args.repeats, out))]
-    for p in procs:
-        p.start()
-    results = out.get(timeout=600)
-    for p in procs:
-        p.join(60)
     print(f"machine: {machine_line()}; SmolLM2 KV, page size {args.page_size}, median of {args.repeats}")
     names = ["raw", "run", "run+verify", "scattered", "scattered+verify"]
     print("GB/s; 'run': pages in one run as a fresh pool gives them; 'scattered': random pages; "
           "'+verify': with the receiver's checksums")
-    print(f"{'tokens':>7} {'MB':>7} " + " ".join(f"{n:>17}" for n in names) + "   run/raw")
-    for r in results:
-        print(f"{r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} " + " ".join(f"{r[n]:>17.2f}" for n in names) +
-              f"   {r['run'] / r['raw']:.2f}")
+    print(f"{'tokens':>7} {'MB':>7} " + " ".join(f"{n:>17}" for n in names) + "   run/raw  scattered/raw", flush=True)
+    ctx = mp.get_context("spawn")
+    # A fresh pair of processes per size: with two buffers registered in one raw agent,
+    # its READs were seen to stall (NIXL 1.5.1, UCX, CPU memory).
+    for size in tokens:
+        a, b = ctx.Pipe()
+        out = ctx.Queue()
+        procs = [ctx.Process(target=sender, args=(a, [size], args.page_size), name="sender"),
+                 ctx.Process(target=receiver, args=(b, [size], args.page_size, args.repeats, out), name="receiver")]
+        for p in procs:
+            p.start()
+        try:
+            r = next_result(out, procs)
+            print(f"{r['tokens']:>7} {r['bytes'] / 1e6:>7.1f} " + " ".join(f"{r[n]:>17.2f}" for n in names) +
+                  f"   {r['run'] / r['raw']:7.2f}  {r['scattered'] / r['raw']:13.2f}"
+                  + (f"  ({r['raw_stalls']} raw READs stalled over 5 s and were posted again)" if r["raw_stalls"] else ""),
+                  flush=True)
+        finally:
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
 
 
 if __name__ == "__main__":
