@@ -62,7 +62,9 @@ def start(kind: str, args) -> tuple[list[subprocess.Popen], str]:
                                        "--decode", f"http://127.0.0.1:{workers[1]}"], **quiet))
     else:
         procs = [subprocess.Popen([args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(default_model_path()),
-                                   "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096", "--port", str(port)], **quiet)]
+                                   "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096", "--port", str(port),
+                                   # by default a new request cuts the stream in progress; queue them instead
+                                   "--interrupt_requests", "False"], **quiet)]
         wait(url, procs, path="/v1/models")
         return procs, url
     wait(url, procs)
