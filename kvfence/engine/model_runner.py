@@ -78,8 +78,7 @@ class ModelRunner:
         if decodes:
             lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
             width = -(-max(lengths) // ps)
-            block_table = [r.block_table[:width] + [scratch_page] * (width - len(r.block_table[:width]))
-                           for r, _ in decodes]
+            block_table = [(r.block_table + [scratch_page] * width)[:width] for r, _ in decodes]
         chunks = []
         row = len(decodes)
         for req, n in prefills:

@@ -9,7 +9,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, H, D]
