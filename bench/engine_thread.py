@@ -27,17 +27,14 @@ from common import machine_line  # noqa: E402
 from serve import free_port, wait  # noqa: E402
 
 from kvfence import LLM, SamplingParams, benchmark  # noqa: E402
-from kvfence.model.loader import resolve_model_path  # noqa: E402
-from kvfence.model.tokenizer import load_tokenizer  # noqa: E402
 
 ENGINE = {"max_model_len": 2048, "num_threads": 2, "max_num_seqs": 64}
 
 
-def offline(jobs) -> dict:
-    llm = LLM(**ENGINE)
-    engine = llm.engine
-    for prompt, max_tokens in jobs:
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+def offline(texts) -> dict:
+    engine = LLM(**ENGINE).engine
+    for text, max_tokens in texts:  # tokenized as the server does
+        engine.add_request(engine.tokenize(text), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     start, tokens = time.perf_counter(), 0
     while engine.has_unfinished():
         tokens += sum(len(o.delta_token_ids) for o in engine.step())
@@ -94,9 +91,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    tok = load_tokenizer(resolve_model_path(None))
-    jobs = [(tok.encode(text, add_special_tokens=False), n) for text, n in texts]
-    report["offline"] = offline(jobs)
+    report["offline"] = offline(texts)
 
     base = report["offline"]["output_tok_s"]
     print(f"machine: {report['machine']}; {args.num_requests} requests at once")
