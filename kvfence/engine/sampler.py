@@ -5,9 +5,13 @@ import torch
 from kvfence.engine.request import Request
 
 
+def has_penalties(req: Request) -> bool:
+    return bool((req.params.presence_penalty or req.params.frequency_penalty) and req.output_token_ids)
+
+
 def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
     p = req.params
-    if not (p.presence_penalty or p.frequency_penalty) or not req.output_token_ids:
+    if not has_penalties(req):
         return logits
     counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
     return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
@@ -34,8 +38,11 @@ def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
     results = []
-    for row, req in zip(logits, requests):
-        token = sample_one(apply_penalties(row, req), req, generator)
+    # One argmax over the whole batch instead of one per row: most requests are greedy.
+    argmax = logits.argmax(dim=-1).tolist()
+    for row, req, best in zip(logits, requests, argmax):
+        plain_greedy = req.params.greedy and not has_penalties(req)
+        token = best if plain_greedy else sample_one(apply_penalties(row, req), req, generator)
         entry = None
         if req.params.logprobs is not None:
             logprobs = torch.log_softmax(row, dim=-1)

@@ -19,7 +19,7 @@ def cpu_attention_kernel():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         module = load(name="kvfence_paged_attention", sources=[str(Path(__file__).parent / "csrc" / "paged_attention.cpp")],
-                      extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the PyTorch path
         log.warning("CPU attention kernel unavailable, decode attention gathers pages in PyTorch: %s", e)
         return None

@@ -48,12 +48,11 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_rows, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_rows, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_rows, cfg.num_kv_heads, cfg.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            # RoPE on the query and key heads at once: they lie side by side in qkv.
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(num_rows, cfg.num_kv_heads, cfg.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta)
             attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
             x = x + F.linear(attn.view(num_rows, self.q_size), layer.o)

@@ -1,9 +1,9 @@
 // Decode attention read straight from the paged KV pool on the CPU.
 //
-// Each (request, KV head) walks its own block table slot by slot, so the context is read
-// once and never copied into a gathered tensor: decode attention is bound by memory
-// traffic, and the gather used to double it. Page numbers are bounds-checked against the
-// pool before any read.
+// Each request walks its own block table page by page, so the context is read once and
+// never copied into a gathered tensor: decode attention is bound by memory traffic, and
+// the gather used to double it. Page numbers are bounds-checked against the pool before
+// any read. Built with -ffast-math so that exp and the reductions vectorize.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -41,43 +41,56 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
   float* od = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  // One task per request: a slot's K (or V) row holds every KV head side by side, so a task
+  // that takes all heads reads whole contiguous rows and no cache line twice.
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, kh = task % KVH, len = lens[b];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t len = lens[b], row = KVH * D;
       const int64_t* pages = table + b * P;
-      const float* qh = qd + (b * H + kh * G) * D;  // the G query heads sharing this KV head
-      float* oh = od + (b * H + kh * G) * D;
-      scores.resize(G * len);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* kr = kd + ((pages[pos / page_size] * page_size + pos % page_size) * KVH + kh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qh + g * D;
-          float s = 0.f;
+      const float* qb = qd + b * H * D;
+      float* ob = od + b * H * D;
+      scores.resize(H * len);
+      for (int64_t start = 0; start < len; start += page_size) {
+        const float* page_k = kd + pages[start / page_size] * page_size * row;
+        const int64_t n = std::min(page_size, len - start);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* kr = page_k + i * row;
+          for (int64_t h = 0; h < H; ++h) {
+            const float* qh = qb + h * D;
+            const float* k_head = kr + (h / G) * D;
+            float s = 0.f;
 #pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kr[d];
-          scores[g * len + pos] = s * fscale;
+            for (int64_t d = 0; d < D; ++d) s += qh[d] * k_head[d];
+            scores[h * len + start + i] = s * fscale;
+          }
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * len;
-        const float m = *std::max_element(sg, sg + len);
+      for (int64_t h = 0; h < H; ++h) {
+        float* sh = scores.data() + h * len;
+        const float m = *std::max_element(sh, sh + len);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t pos = 0; pos < len; ++pos) {
-          sg[pos] = std::exp(sg[pos] - m);
-          sum += sg[pos];
+          sh[pos] = std::exp(sh[pos] - m);
+          sum += sh[pos];
         }
         const float inv = 1.f / sum;
-        for (int64_t pos = 0; pos < len; ++pos) sg[pos] *= inv;
+        for (int64_t pos = 0; pos < len; ++pos) sh[pos] *= inv;
       }
-      std::fill(oh, oh + G * D, 0.f);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* vr = vd + ((pages[pos / page_size] * page_size + pos % page_size) * KVH + kh) * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const float w = scores[g * len + pos];
-          float* og = oh + g * D;
+      std::fill(ob, ob + H * D, 0.f);
+      for (int64_t start = 0; start < len; start += page_size) {
+        const float* page_v = vd + pages[start / page_size] * page_size * row;
+        const int64_t n = std::min(page_size, len - start);
+        for (int64_t i = 0; i < n; ++i) {
+          const float* vr = page_v + i * row;
+          for (int64_t h = 0; h < H; ++h) {
+            const float w = scores[h * len + start + i];
+            const float* vh = vr + (h / G) * D;
+            float* oh = ob + h * D;
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) og[d] += w * vr[d];
+            for (int64_t d = 0; d < D; ++d) oh[d] += w * vh[d];
+          }
         }
       }
     }
