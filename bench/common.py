@@ -26,12 +26,12 @@ def mixed_workload(num_requests: int, seed: int, vocab: int = 49152, prompt=(32,
             for _ in range(num_requests)]
 
 
-def matmul_peak_gflops(repeats: int = 20) -> float:
-    """Best fp32 GFLOP/s over a few GEMM shapes of this model's size and larger."""
+def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32) -> float:
+    """Best GFLOP/s over a few GEMM shapes of this model's size and larger (fp32 unless told)."""
     best = 0.0
     with torch.inference_mode():
         for m, k, n in [(1024, 576, 1536), (2048, 2048, 2048), (512, 576, 49152 // 4)]:
-            a, b = torch.randn(m, k), torch.randn(k, n)
+            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
             for _ in range(3):
                 torch.matmul(a, b)
             times = []

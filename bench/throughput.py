@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
+    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 linear layers")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--json", type=Path, default=None)
@@ -90,7 +91,7 @@ def main() -> None:
 
     peaks = [matmul_peak_gflops()]
     llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype,
               kv_sentinel=args.sentinel, kv_scrub=args.scrub)
     cfg = llm.engine.model_config
     workload = mixed_workload(args.num_requests, args.seed)
@@ -107,6 +108,8 @@ def main() -> None:
     report["kvfence_decode64_tok_s"], report["kvfence_decode64_runs"] = rate64, rates
     report["kvfence_decode64_peak_fraction"] = rate64 * flops_per_token(cfg) / 1e9 / peak
     report["kvfence_decode1_tok_s"] = decode_rate(llm, 1)
+    if args.dtype != "float32":
+        report["matmul_peak_gflops_" + args.dtype] = matmul_peak_gflops(dtype=getattr(torch, args.dtype))
     if args.hf_requests:
         hf_runs = [run_transformers(llm.engine.model_path, workload[:args.hf_requests], int(b))
                    for b in args.hf_batch_sizes.split(",")]
@@ -127,6 +130,9 @@ def main() -> None:
     print(f"kvfence decode batch 64: {rate64:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in rates)}) = "
           f"{100 * report['kvfence_decode64_peak_fraction']:.0f}% "
           f"of the matmul peak; batch 1: {report['kvfence_decode1_tok_s']:.1f} tok/s")
+    if args.dtype != "float32":
+        print(f"({args.dtype} matmul peak measured: {report['matmul_peak_gflops_' + args.dtype]:.1f} GFLOP/s; "
+              f"the fraction above is of the fp32 peak)")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

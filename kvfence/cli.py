@@ -24,6 +24,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=["auto", "kernel", "torch"], default="auto",
                    help="decode attention: the C++ kernel reading the pool in place (CPU, built on first use), "
                         "or pages gathered in PyTorch (any device); auto picks the kernel where it builds")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="precision of the linear layers; bfloat16 is 2-3x faster where the CPU has AVX-512 BF16 "
+                        "or AMX, but not batch invariant and not bit-equal to float32 (see README)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
                    help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")
@@ -35,7 +38,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, max_model_len=args.max_model_len, page_size=args.page_size,
         num_kv_pages=args.num_kv_pages, kv_memory_gib=args.kv_memory_gib, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, num_threads=args.threads,
-        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, prefix_cache=not args.no_prefix_cache,
+        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, dtype=args.dtype, prefix_cache=not args.no_prefix_cache,
         inject_fault=args.inject_fault, seed=args.seed)
 
 

@@ -25,6 +25,7 @@ class EngineConfig:
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
+    dtype: str = "float32"             # linear layers: float32 | bfloat16 (see model/llama.py)
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     min_batch_rows: int = 4            # MKL gives batch-independent rows from 4 rows up
@@ -55,6 +56,8 @@ class EngineConfig:
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
         if self.attention not in ("auto", "kernel", "torch"):
             raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"dtype must be float32 or bfloat16, not '{self.dtype}'")
         if self.attention == "kernel" and self.device != "cpu":
             raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":

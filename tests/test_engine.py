@@ -43,6 +43,11 @@ def test_start_refused_when_pool_smaller_than_context(tiny_llama_dir):
     assert "40 tokens" in msg and "128" in msg and "--num-kv-pages to at least 32" in msg
 
 
+def test_unknown_dtype_refused(tiny_llama_dir):
+    with pytest.raises(ConfigError, match="dtype must be float32 or bfloat16, not 'float16'"):
+        tiny_engine(tiny_llama_dir, dtype="float16")
+
+
 def test_start_accepted_when_pool_holds_exactly_the_context(tiny_llama_dir):
     engine = tiny_engine(tiny_llama_dir, num_kv_pages=32, max_model_len=128)
     assert engine.allocator.num_pages * 4 == 128

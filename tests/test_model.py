@@ -86,6 +86,19 @@ def test_default_model_logits_match_transformers(hf_reference):
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=2e-3)
 
 
+def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference):
+    """bf16 linear layers move logits by tenths (so near-ties can flip a greedy token), not more."""
+    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2,
+              dtype="bfloat16")
+    model = llm.engine.runner.model
+    assert model.layers[0].qkv.dtype == model.lm_head.dtype == torch.bfloat16
+    prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]
+    compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=1.0)
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    assert out.text == "The capital of France is Paris."
+
+
 def test_greedy_continuations_match_transformers(real_llm, hf_reference):
     tok = real_llm.tokenizer
     results = real_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))

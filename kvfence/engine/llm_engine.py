@@ -48,7 +48,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
-        self.runner = ModelRunner(LlamaModel(model_config, weights, config.device), self.pool, self.allocator,
+        model = LlamaModel(model_config, weights, config.device, getattr(torch, config.dtype))
+        self.runner = ModelRunner(model, self.pool, self.allocator,
                                   config.kv_sentinel, config.min_batch_rows, decode_kernel(config.attention, config.device))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Request]] = {}
