@@ -7,7 +7,7 @@ import time
 import torch
 
 
-def machine_line() -> str:
+def machine_line(device: str = "cpu") -> str:
     cpu = platform.processor() or "unknown cpu"
     try:
         for line in open("/proc/cpuinfo"):
@@ -16,7 +16,8 @@ def machine_line() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    line = f"{cpu}, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    return line + (f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else "")
 
 
 def mixed_workload(num_requests: int, seed: int, vocab: int = 49152, prompt=(32, 512), output=(32, 256)):
@@ -26,18 +27,21 @@ def mixed_workload(num_requests: int, seed: int, vocab: int = 49152, prompt=(32,
             for _ in range(num_requests)]
 
 
-def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32) -> float:
+def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
     """Best GFLOP/s over a few GEMM shapes of this model's size and larger (fp32 unless told)."""
     best = 0.0
     with torch.inference_mode():
         for m, k, n in [(1024, 576, 1536), (2048, 2048, 2048), (512, 576, 49152 // 4)]:
-            a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+            a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+            sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
             for _ in range(3):
                 torch.matmul(a, b)
             times = []
             for _ in range(repeats):
+                sync()
                 t = time.perf_counter()
                 torch.matmul(a, b)
+                sync()
                 times.append(time.perf_counter() - t)
             best = max(best, 2 * m * n * k / statistics.median(times) / 1e9)
     return best

@@ -50,22 +50,22 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 24) ->
     return batch / statistics.median(times)
 
 
-def run_transformers(model_path: Path, workload, batch_size: int) -> dict:
+def run_transformers(model_path: Path, workload, batch_size: int, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                 dtype=torch.float32).eval()
+                                                 dtype=torch.float32).to(device).eval()
     ordered = sorted(workload, key=lambda w: w[1])
     generated, t = 0, time.perf_counter()
     for i in range(0, len(ordered), batch_size):
         chunk = ordered[i:i + batch_size]
         width = max(len(p) for p, _ in chunk)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         new = max(n for _, n in chunk)
         with torch.inference_mode():
             model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0)
+                           pad_token_id=0).tolist()  # waits for the device
         generated += sum(n for _, n in chunk)  # only the tokens each request asked for count
     elapsed = time.perf_counter() - t
     return {"requests": len(workload), "batch_size": batch_size, "output_tokens": generated,
@@ -83,35 +83,37 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 linear layers")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    peaks = [matmul_peak_gflops()]
+    peak_of = lambda dtype=torch.float32: matmul_peak_gflops(dtype=dtype, device=args.device)  # noqa: E731
+    peaks = [peak_of()]
     llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype, device=args.device,
               kv_sentinel=args.sentinel, kv_scrub=args.scrub)
     cfg = llm.engine.model_config
     workload = mixed_workload(args.num_requests, args.seed)
     llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up
-    report = {"machine": machine_line()}
+    report = {"machine": machine_line(args.device)}
     report["kvfence"] = run_kvfence(llm, workload)
     # Medians of three, the peak re-measured beside each: both drift on a shared machine.
     rates = []
     for _ in range(3):
         rates.append(decode_rate(llm, 64))
-        peaks.append(matmul_peak_gflops())
+        peaks.append(peak_of())
     rate64, peak = statistics.median(rates), statistics.median(peaks)
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
     report["kvfence_decode64_tok_s"], report["kvfence_decode64_runs"] = rate64, rates
     report["kvfence_decode64_peak_fraction"] = rate64 * flops_per_token(cfg) / 1e9 / peak
     report["kvfence_decode1_tok_s"] = decode_rate(llm, 1)
     if args.dtype != "float32":
-        report["matmul_peak_gflops_" + args.dtype] = matmul_peak_gflops(dtype=getattr(torch, args.dtype))
+        report["matmul_peak_gflops_" + args.dtype] = peak_of(getattr(torch, args.dtype))
     if args.hf_requests:
-        hf_runs = [run_transformers(llm.engine.model_path, workload[:args.hf_requests], int(b))
+        hf_runs = [run_transformers(llm.engine.model_path, workload[:args.hf_requests], int(b), args.device)
                    for b in args.hf_batch_sizes.split(",")]
         best = max(hf_runs, key=lambda r: r["tok_s"])
         report["transformers"] = hf_runs

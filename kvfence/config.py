@@ -58,10 +58,23 @@ class EngineConfig:
             raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
         if self.dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"dtype must be float32 or bfloat16, not '{self.dtype}'")
+        check_device(self.device)
         if self.attention == "kernel" and self.device != "cpu":
             raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":
             check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
+
+
+def check_device(device: str) -> None:
+    if device == "cpu":
+        return
+    if device.split(":")[0] != "cuda":
+        raise ConfigError(f"device must be cpu or cuda (cuda:N), not '{device}'")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {device} was asked for but this torch ({torch.__version__}) sees no CUDA GPU: "
+                          "install a CUDA build of torch on a machine with a GPU, or use --device cpu")
 
 
 def check_capacity(num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int) -> None:

@@ -48,6 +48,8 @@ def page_spans(token_count: int, page_size: int) -> list[int]:
 
 class KVTransfer:
     def __init__(self, pool: KVPool, name: str | None = None):
+        if pool.k.device.type != "cpu":
+            raise TransferError("disaggregated workers keep their KV pool in host memory: run them with --device cpu")
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.pool = pool
