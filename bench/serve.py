@@ -81,7 +81,7 @@ def prompts_of_512_tokens(count: int, seed: int) -> list[str]:
     from kvfence.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(default_model_path())
-    words = [w for w in sorted(set(benchmark.WORDS.split())) if len(tok.encode(" " + w, add_special_tokens=False)) == 1]
+    words = [w for w in sorted(set(benchmark.WORDS)) if len(tok.encode(" " + w, add_special_tokens=False)) == 1]
     rng = random.Random(seed)
     prompts = ["".join(" " + rng.choice(words) for _ in range(512)) for _ in range(count)]
     assert all(len(tok.encode(p, add_special_tokens=False)) == 512 for p in prompts)
