@@ -4,11 +4,12 @@
 
 Runs the same seeded requests (one long system prompt shared by every request of a
 tenant, a short distinct question each) through the engine with the prefix cache on and
-off, then a mixed workload with the sentinel on/off and scrubbing on/off; prints
-throughputs and ratios measured in this run.
+off, then a mixed workload with the sentinel on/off and scrubbing on/off, in alternating
+rounds; prints throughputs (medians) and ratios measured in this run.
 """
 import argparse
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=384)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-isolation", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5, help="isolation runs per configuration (medians)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
@@ -57,15 +59,23 @@ def main() -> None:
     if args.skip_isolation:
         return
     work = mixed_workload(args.requests, 1, prompt=(32, 256), output=(32, 128))
-    base = None
-    for label, kw in (("sentinel enforce, scrub off", {}), ("sentinel off", {"kv_sentinel": "off"}),
-                      ("scrub on-free", {"kv_scrub": "on-free"})):
-        llm = LLM(num_threads=args.threads, max_model_len=1024, prefix_cache=False, **kw)
+    configs = {"sentinel enforce, scrub off": {}, "sentinel off": {"kv_sentinel": "off"},
+               "scrub on-free": {"kv_scrub": "on-free"}}
+    engines = {label: LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=1.0, prefix_cache=False, **kw)
+               for label, kw in configs.items()}
+    for llm in engines.values():
         timed(llm, work[:2], ["warm-up"] * 2)
-        runs = [timed(llm, work, ["t"] * len(work)) for _ in range(2)]
-        tok_s = max(tokens / seconds for seconds, tokens in runs)  # best of 2: the machine is shared
-        base = base or tok_s
-        print(f"{label:28} {tok_s:7.1f} output tok/s  ({tok_s / base:.3f} of the default)")
+    rates = {label: [] for label in configs}
+    # Rounds that take each configuration in turn, so drift on a shared machine hits all alike.
+    for _ in range(args.rounds):
+        for label, llm in engines.items():
+            seconds, tokens = timed(llm, work, ["t"] * len(work))
+            rates[label].append(tokens / seconds)
+    base = statistics.median(rates["sentinel enforce, scrub off"])
+    for label, runs in rates.items():
+        tok_s = statistics.median(runs)
+        print(f"{label:28} {tok_s:7.1f} output tok/s  ({tok_s / base:.3f} of the default; "
+              f"runs {', '.join(f'{r:.0f}' for r in runs)})")
 
 
 if __name__ == "__main__":
