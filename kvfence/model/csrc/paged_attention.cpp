@@ -50,22 +50,25 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
       const int64_t* pages = table + b * P;
       const float* qb = qd + b * H * D;
       float* ob = od + b * H * D;
-      scores.resize(H * len);
-      for (int64_t start = 0; start < len; start += page_size) {
-        const float* page_k = kd + pages[start / page_size] * page_size * row;
-        const int64_t n = std::min(page_size, len - start);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* kr = page_k + i * row;
-          for (int64_t h = 0; h < H; ++h) {
-            const float* qh = qb + h * D;
-            const float* k_head = kr + (h / G) * D;
-            float s = 0.f;
-#pragma omp simd reduction(+ : s)
-            for (int64_t d = 0; d < D; ++d) s += qh[d] * k_head[d];
-            scores[h * len + start + i] = s * fscale;
-          }
+      // Calls fn(row, position) for each of the request's slots in `cache`, page by page.
+      auto for_each_slot = [&](const float* cache, auto&& fn) {
+        for (int64_t start = 0; start < len; start += page_size) {
+          const float* page = cache + pages[start / page_size] * page_size * row;
+          const int64_t n = std::min(page_size, len - start);
+          for (int64_t i = 0; i < n; ++i) fn(page + i * row, start + i);
         }
-      }
+      };
+      scores.resize(H * len);
+      for_each_slot(kd, [&](const float* kr, int64_t pos) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float* qh = qb + h * D;
+          const float* k_head = kr + (h / G) * D;
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t d = 0; d < D; ++d) s += qh[d] * k_head[d];
+          scores[h * len + pos] = s * fscale;
+        }
+      });
       for (int64_t h = 0; h < H; ++h) {
         float* sh = scores.data() + h * len;
         const float m = *std::max_element(sh, sh + len);
@@ -79,20 +82,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
         for (int64_t pos = 0; pos < len; ++pos) sh[pos] *= inv;
       }
       std::fill(ob, ob + H * D, 0.f);
-      for (int64_t start = 0; start < len; start += page_size) {
-        const float* page_v = vd + pages[start / page_size] * page_size * row;
-        const int64_t n = std::min(page_size, len - start);
-        for (int64_t i = 0; i < n; ++i) {
-          const float* vr = page_v + i * row;
-          for (int64_t h = 0; h < H; ++h) {
-            const float w = scores[h * len + start + i];
-            const float* vh = vr + (h / G) * D;
-            float* oh = ob + h * D;
+      for_each_slot(vd, [&](const float* vr, int64_t pos) {
+        for (int64_t h = 0; h < H; ++h) {
+          const float w = scores[h * len + pos];
+          const float* vh = vr + (h / G) * D;
+          float* oh = ob + h * D;
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) oh[d] += w * vh[d];
-          }
+          for (int64_t d = 0; d < D; ++d) oh[d] += w * vh[d];
         }
-      }
+      });
     }
   });
   return out;
