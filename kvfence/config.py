@@ -2,6 +2,8 @@
 import math
 from dataclasses import dataclass
 
+import torch
+
 from kvfence.model.config import ModelConfig
 
 GIB = 1024**3
@@ -70,8 +72,6 @@ def check_device(device: str) -> None:
         return
     if device.split(":")[0] != "cuda":
         raise ConfigError(f"device must be cpu or cuda (cuda:N), not '{device}'")
-    import torch
-
     if not torch.cuda.is_available():
         raise ConfigError(f"device {device} was asked for but this torch ({torch.__version__}) sees no CUDA GPU: "
                           "install a CUDA build of torch on a machine with a GPU, or use --device cpu")

@@ -38,11 +38,11 @@ def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
     results = []
+    plain_greedy = [req.params.greedy and not has_penalties(req) for req in requests]
     # One argmax over the whole batch instead of one per row: most requests are greedy.
-    argmax = logits.argmax(dim=-1).tolist()
-    for row, req, best in zip(logits, requests, argmax):
-        plain_greedy = req.params.greedy and not has_penalties(req)
-        token = best if plain_greedy else sample_one(apply_penalties(row, req), req, generator)
+    argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else [None] * len(requests)
+    for row, req, plain, best in zip(logits, requests, plain_greedy, argmax):
+        token = best if plain else sample_one(apply_penalties(row, req), req, generator)
         entry = None
         if req.params.logprobs is not None:
             logprobs = torch.log_softmax(row, dim=-1)
