@@ -47,6 +47,18 @@ def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32, de
     return best
 
 
+def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10) -> float:
+    """GB/s of streaming a tensor far larger than the caches once (a sum over it), median."""
+    x = torch.ones(megabytes * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
 def flops_per_token(cfg, with_lm_head: bool = True) -> float:
     """Matmul FLOPs of one token through the model (attention scores excluded)."""
     h, d = cfg.hidden_size, cfg.head_dim

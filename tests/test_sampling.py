@@ -89,10 +89,12 @@ def test_detokenizer_never_splits_a_character(tokenizer):
 
 
 def test_batch_invariance_alone_or_among_63_others(real_llm):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    """Bit for bit: a single row (one-row matmuls) against a row among 63 others."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     target = "Explain why the sky is blue in two sentences."
-    alone = real_llm.generate(target, params)[0].outputs[0].token_ids
+    alone = real_llm.generate(target, params)[0].outputs[0]
     torch.manual_seed(0)
     fillers = [f"Item {i}: " + " ".join(["word"] * int(torch.randint(1, 120, ()))) for i in range(63)]
-    crowd = real_llm.generate(fillers[:31] + [target] + fillers[31:], params)
-    assert crowd[31].outputs[0].token_ids == alone
+    crowd = real_llm.generate(fillers[:31] + [target] + fillers[31:], params)[31].outputs[0]
+    assert crowd.token_ids == alone.token_ids
+    assert crowd.logprobs == alone.logprobs

@@ -50,7 +50,7 @@ class LLMEngine:
                                    self.prefix_cache)
         model = LlamaModel(model_config, weights, config.device, getattr(torch, config.dtype))
         self.runner = ModelRunner(model, self.pool, self.allocator,
-                                  config.kv_sentinel, config.min_batch_rows, decode_kernel(config.attention, config.device))
+                                  config.kv_sentinel, decode_kernel(config.attention, config.device))
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.parked: dict[str, Request] = {}     # prefilled, pages held for a decode worker to pull

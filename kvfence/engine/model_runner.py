@@ -15,14 +15,14 @@ log = logging.getLogger("kvfence.sentinel")
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str, min_rows: int,
+    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str,
                  decode_kernel: Callable | None = None):
         self.model = model
         self.decode_kernel = decode_kernel
         self.pool = pool
         self.allocator = allocator
         self.sentinel = sentinel
-        self.min_rows = min_rows
+        self.min_rows = model.min_batch_rows
         self.device = model.device
         self.sentinel_violations = 0
 

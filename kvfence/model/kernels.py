@@ -1,4 +1,4 @@
-"""The CPU decode-attention kernel (csrc/paged_attention.cpp), compiled on first use."""
+"""The CPU kernels in csrc/, compiled on first use."""
 import functools
 import logging
 import os
@@ -8,29 +8,37 @@ log = logging.getLogger("kvfence.kernels")
 
 
 @functools.cache
-def cpu_attention_kernel():
-    """The compiled kernel, or None where it cannot be built (no C++ compiler or ninja);
-    decode attention then gathers pages in PyTorch, which is correct but slower."""
+def build(name: str, fast_math: bool):
+    """The compiled module csrc/{name}.cpp, or None where it cannot be built (no C++
+    compiler, no ninja, no AVX-512 for `linear`); the callers then fall back to PyTorch."""
     try:
         import ninja
         from torch.utils.cpp_extension import load
 
         # torch looks for ninja on PATH, which an unactivated virtualenv lacks.
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-        module = load(name="kvfence_paged_attention", sources=[str(Path(__file__).parent / "csrc" / "paged_attention.cpp")],
-                      extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"], extra_ldflags=["-fopenmp"])
+        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else [])
+        return load(name=f"kvfence_{name}", sources=[str(Path(__file__).parent / "csrc" / f"{name}.cpp")],
+                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the PyTorch path
-        log.warning("CPU attention kernel unavailable, decode attention gathers pages in PyTorch: %s", e)
+        log.warning("CPU kernel %s unavailable, falling back to PyTorch: %s", name, e)
         return None
-    return module.paged_decode_attention
 
 
 def decode_kernel(attention: str, device: str):
-    """The kernel to use for `--attention` on `device`; None means the PyTorch path."""
+    """The decode-attention kernel to use for `--attention` on `device`; None means the
+    PyTorch path (gathers pages: correct but slower)."""
     if attention == "torch" or device != "cpu":
         return None
-    kernel = cpu_attention_kernel()
-    if kernel is None and attention == "kernel":
+    module = build("paged_attention", fast_math=True)  # fast-math lets exp and the reductions vectorize
+    if module is None and attention == "kernel":
         raise RuntimeError("--attention kernel was asked for but the kernel did not build (see the warning above)")
-    return kernel
+    return None if module is None else module.paged_decode_attention
+
+
+def linear_kernel(device: str):
+    """The packed linear kernel for `device`, or None (GPU, or no kernel: torch's matmul)."""
+    if device != "cpu":
+        return None
+    module = build("linear", fast_math=False)  # the sums must keep their order
+    return None if module is None else module.packed_linear

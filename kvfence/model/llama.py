@@ -1,43 +1,50 @@
 """Llama-family forward pass (Llama, SmolLM, Qwen2 shapes) over the paged KV pool."""
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvfence.model.config import ModelConfig
+from kvfence.model.kernels import linear_kernel
+from kvfence.model.linear import Linear
 from kvfence.model.loader import Weights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    return F.rms_norm(x, x.shape[-1:], weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T in the weight's dtype; the result comes back in x's dtype (fp32)."""
-    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    ffn_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
     """Norms, RoPE, the residual stream and attention run in fp32; the linear layers in
-    `dtype` (fp32 by default; bfloat16 roughly triples matmul speed where oneDNN has
-    AVX-512 BF16 or AMX, at the cost of batch invariance and of bit-equality with fp32)."""
-
-    LINEAR = ("qkv", "qkv_bias", "o", "gate_up", "down")
+    `dtype` (fp32 by default; bfloat16 halves weight traffic and, where oneDNN has AVX-512
+    BF16 or AMX, roughly triples large-batch matmul speed, at the cost of batch invariance
+    and of bit-equality with fp32). See model/linear.py for which kernel runs when."""
 
     def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu", dtype: torch.dtype = torch.float32):
         self.config = config
         self.device = torch.device(device)
-        move = lambda t, dt=torch.float32: None if t is None else t.to(self.device, dt)  # noqa: E731
-        self.embed = move(weights.embed)
-        self.layers = [type(layer)(**{k: move(v, dtype if k in self.LINEAR else torch.float32)
-                                      for k, v in vars(layer).items()}) for layer in weights.layers]
-        self.final_norm = move(weights.final_norm)
-        self.lm_head = move(weights.lm_head, dtype)
+        kernel = linear_kernel(self.device.type)
+        # torch's fp32 matmul (MKL) gives batch-independent rows only from 4 rows up; the kernel at any count.
+        self.min_batch_rows = 1 if kernel is not None else 4
+        fp32 = lambda t: t.to(self.device, torch.float32)  # noqa: E731
+        lin = lambda w, b=None: Linear(w, b, dtype, self.device, kernel)  # noqa: E731
+        self.embed = fp32(weights.embed)
+        self.layers = [Layer(fp32(w.attn_norm), lin(w.qkv, w.qkv_bias), lin(w.o), fp32(w.ffn_norm), lin(w.gate_up),
+                             lin(w.down)) for w in weights.layers]
+        self.final_norm = fp32(weights.final_norm)
+        self.lm_head = lin(weights.lm_head)
         d = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
         self.scale = d ** -0.5
@@ -45,9 +52,10 @@ class LlamaModel:
         self.kv_size = config.num_kv_heads * d
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin with the first half of sin negated: x * cos + x.roll(D/2) * sin is then
+        HF's x * cos + rotate_half(x) * sin, bit for bit, in fewer ops."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos()[:, None, :], emb.sin()[:, None, :]
+        return torch.cat((freqs, freqs), dim=-1).cos()[:, None, :], torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -59,17 +67,17 @@ class LlamaModel:
         x = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             # RoPE on the query and key heads at once: they lie side by side in qkv.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
+            qk = qk * cos + qk.roll(cfg.head_dim // 2, -1) * sin
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(num_rows, cfg.num_kv_heads, cfg.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta)
             attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
-            x = x + linear(attn.view(num_rows, self.q_size), layer.o)
+            x = x + layer.o(attn.view(num_rows, self.q_size))
             h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
         x = rms_norm(x[sample_rows], self.final_norm, cfg.rms_norm_eps)
-        return linear(x, self.lm_head)
+        return self.lm_head(x)

@@ -1,0 +1,61 @@
+"""The packed linear kernel (csrc/linear.cpp): exact sums, rows independent of the batch."""
+import pytest
+import torch
+
+from kvfence.model.kernels import linear_kernel
+from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, pack
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    kernel = linear_kernel("cpu")
+    assert kernel is not None, "the linear kernel must build here"
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(96, 64), (77, 40), (5, 3)])  # N and K off the panel and vector widths
+def test_matches_float64_reference(kernel, dtype, n, k):
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 5, 12, 13, 30):
+        x = torch.randn(m, k, generator=gen)
+        ref = x.double() @ w.double().T + bias.double()
+        torch.testing.assert_close(kernel(x, pack(w), n, bias).double(), ref, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(kernel(x, pack(w), n, None).double(), ref - bias.double(), atol=1e-4, rtol=1e-5)
+
+
+def test_rows_do_not_depend_on_the_batch(kernel):
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(300, 576, generator=gen), torch.randn(64, 576, generator=gen)
+    full = kernel(x, pack(w), 300, None)
+    for start, rows in [(0, 1), (5, 1), (63, 1), (3, 3), (10, 7), (8, 16), (20, 44)]:
+        assert torch.equal(kernel(x[start:start + rows], pack(w), 300, None), full[start:start + rows])
+
+
+def test_refuses_mismatched_weights(kernel):
+    w = pack(torch.randn(64, 32))
+    with pytest.raises(RuntimeError, match="weights"):
+        kernel(torch.randn(2, 31), w, 64, None)
+    with pytest.raises(RuntimeError, match="weights"):
+        kernel(torch.randn(2, 32), w, 100, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        kernel(torch.randn(2, 32), w, 64, torch.randn(63))
+
+
+def test_bfloat16_large_batches_go_to_onednn(kernel):
+    """bf16 keeps both layouts: the kernel below ONEDNN_MIN_ROWS rows, torch's matmul above."""
+    gen = torch.Generator().manual_seed(1)
+    w, bias = torch.randn(64, 96, generator=gen), torch.randn(64, generator=gen)
+    layer = Linear(w, bias, torch.bfloat16, torch.device("cpu"), kernel)
+    assert layer.weight.dtype == layer.packed.dtype == torch.bfloat16
+    for m in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 100):
+        x = torch.randn(m, 96, generator=gen)
+        error = (layer(x) - (x @ w.bfloat16().float().T + bias)).abs().max()
+        if m < ONEDNN_MIN_ROWS:
+            assert error < 1e-4  # the kernel keeps x in fp32
+        else:
+            assert 1e-3 < error < 0.3  # oneDNN rounds x to bf16
+    fp32 = Linear(w, bias, torch.float32, torch.device("cpu"), kernel)
+    assert fp32.weight is None  # fp32 runs the kernel at every batch size
