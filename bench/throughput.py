@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
-    ap.add_argument("--dtype", default="float32", help="float32 or bfloat16 linear layers")
+    ap.add_argument("--dtype", default="float32", help="linear weights: float32, gguf or bfloat16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
@@ -152,9 +152,11 @@ def main() -> None:
     report["kvfence_decode64_peak_fraction"] = rate64 * flops_per_token(cfg) / 1e9 / peak
     report["kvfence_decode1_tok_s"] = decode_rate(llm, 1, steps=64)
     report["read_bandwidth_gbs"] = read_bandwidth_gbs()
-    weight_bytes = flops_per_token(cfg) / 2 * getattr(torch, args.dtype).itemsize  # one read of every weight
+    model = llm.engine.runner.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+    weight_bytes = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
     report["kvfence_decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / weight_bytes
-    if args.dtype != "float32":
+    if args.dtype == "bfloat16":
         report["matmul_peak_gflops_" + args.dtype] = peak_of(getattr(torch, args.dtype))
     if args.hf_requests:
         hf_runs = [run_transformers(llm.engine.model_path, workload[:args.hf_requests], int(b), args.device)
@@ -193,7 +195,7 @@ def main() -> None:
     print(f"kvfence decode batch 1: {report['kvfence_decode1_tok_s']:.1f} tok/s = "
           f"{100 * report['kvfence_decode1_tok_s'] / roof:.0f}% of the memory roof ({roof:.1f} tok/s: "
           f"{weight_bytes / 1e6:.0f} MB of weights per token at {report['read_bandwidth_gbs']:.1f} GB/s)")
-    if args.dtype != "float32":
+    if args.dtype == "bfloat16":
         print(f"({args.dtype} matmul peak measured: {report['matmul_peak_gflops_' + args.dtype]:.1f} GFLOP/s; "
               f"the fraction above is of the fp32 peak)")
     if args.json:

@@ -1,9 +1,11 @@
-"""The packed linear kernel (csrc/linear.cpp): exact sums, rows independent of the batch."""
+"""The packed linear kernel (csrc/linear.cpp): exact sums, rows independent of the batch,
+GGUF blocks giving the bits of their fp32 values."""
 import pytest
 import torch
 
 from kvfence.model.kernels import linear_kernel
 from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, pack
+from kvfence.model.loader import gguf_blocks
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,23 @@ def test_bfloat16_large_batches_go_to_onednn(kernel):
             assert 1e-3 < error < 0.3  # oneDNN rounds x to bf16
     fp32 = Linear(w, bias, torch.float32, torch.device("cpu"), kernel)
     assert fp32.weight is None  # fp32 runs the kernel at every batch size
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind):
+    """The kernel on a GGUF file's blocks against the kernel on gguf's own dequantized fp32."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    gen = torch.Generator().manual_seed(2)
+    raw = quantize((torch.randn(70, 96, generator=gen) * 0.1).numpy(), qtype)
+    reference = torch.from_numpy(dequantize(raw, qtype))
+    blocks = gguf_blocks(raw, kind)
+    assert blocks.shape == (70, 96 // 32 * 40) and blocks.dtype == torch.uint8
+    bias = torch.randn(70, generator=gen)
+    for m in (1, 7, 12, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(kernel(x, pack(blocks), 70, bias), kernel(x, pack(reference), 70, bias))
+    layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
+    assert layer.weight is None and layer.packed.shape == (3, 3, 1280)  # 1.25 bytes per weight, not 4

@@ -116,3 +116,22 @@ def test_chat_answers_like_the_reference(real_llm):
                         SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+
+
+def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):
+    """--dtype gguf reads the file's Q4_1/Q8_0 blocks, a third of the fp32 bytes, yet every
+    logprob equals the float32 engine's, in batches of mixed prompts."""
+    gguf = LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024, dtype="gguf")
+    model = gguf.engine.runner.model
+    assert model.layers[0].qkv.packed.dtype == model.lm_head.packed.dtype == torch.uint8
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    for ours, reference in zip(gguf.generate(PROMPTS[:6], params), real_llm.generate(PROMPTS[:6], params)):
+        assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == reference.outputs[0].logprobs
+
+
+def test_gguf_dtype_needs_a_gguf_file(tiny_llama_dir):
+    from kvfence.model.loader import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="--dtype gguf reads the blocks of a GGUF file"):
+        LLM(str(tiny_llama_dir), dtype="gguf")

@@ -33,7 +33,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
-        model_config, weights = load_model(self.model_path, progress=progress)
+        model_config, weights = load_model(self.model_path, progress=progress, keep_blocks=config.dtype == "gguf")
         config.resolve(model_config)
         if config.inject_fault == faults.LEGACY_REJECT_PATH:
             faults.warn_at_start()
@@ -48,7 +48,7 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
-        model = LlamaModel(model_config, weights, config.device, getattr(torch, config.dtype))
+        model = LlamaModel(model_config, weights, config.device, torch.bfloat16 if config.dtype == "bfloat16" else torch.float32)
         self.runner = ModelRunner(model, self.pool, self.allocator,
                                   config.kv_sentinel, decode_kernel(config.attention, config.device))
         self.generator = torch.Generator().manual_seed(config.seed)

@@ -73,9 +73,12 @@ def resolve_model_path(model: str | None) -> Path:
     return path
 
 
-def load_model(path: Path, progress: bool = True) -> tuple[ModelConfig, Weights]:
+def load_model(path: Path, progress: bool = True, keep_blocks: bool = False) -> tuple[ModelConfig, Weights]:
+    """keep_blocks: the linear weights stay in the GGUF file's quantized blocks (see gguf_blocks)."""
     if path.is_file():
-        return _load_gguf(path, progress)
+        return _load_gguf(path, progress, keep_blocks)
+    if keep_blocks:
+        raise ModelLoadError(f"--dtype gguf reads the blocks of a GGUF file; {path} is a safetensors directory")
     return _load_safetensors_dir(path, progress)
 
 
@@ -103,6 +106,9 @@ _GGUF_LAYER_NAMES = {
     "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
 }
+
+
+_LINEAR_GGUF_NAMES = tuple(v for k, v in _GGUF_LAYER_NAMES.items() if k in ("q", "k", "v", "o", "gate", "up", "down"))
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -145,7 +151,27 @@ def gguf_model_config(reader) -> ModelConfig:
     )
 
 
-def _load_gguf(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights each
+
+
+def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
+    """Rows of Q4_0, Q4_1 or Q8_0 blocks as rows of 40-byte blocks: scale and offset (fp32),
+    then 32 codes (uint8), with weight = scale * code + offset. scale * code is exact, so with
+    one rounding (a fused multiply-add) this gives gguf's dequantized fp32 values bit for bit."""
+    raw = data.reshape(-1, BLOCK_BYTES[kind])
+    scale = raw[:, :2].view(np.float16).astype(np.float32)
+    if kind == "Q8_0":  # w = d * q, q int8: codes q + 128, offset -128 d
+        codes = (raw[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        offset = -128 * scale
+    else:  # w = d * q + m (Q4_1) or d * (q - 8) (Q4_0); the low nibbles are weights 0-15
+        nibbles = raw[:, -16:]
+        codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)
+        offset = raw[:, 2:4].view(np.float16).astype(np.float32) if kind == "Q4_1" else -8 * scale
+    blocks = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), codes], axis=1)
+    return torch.from_numpy(blocks.reshape(data.shape[0], -1))
+
+
+def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConfig, Weights]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -158,17 +184,26 @@ def _load_gguf(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         array = dequantize(t.data, t.tensor_type)
         tensors[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))
+    embed = tensors["token_embd.weight"]
+    linear = dict(tensors)
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    if keep_blocks:
+        for t in reader.tensors:
+            if t.name == head or t.name.endswith(_LINEAR_GGUF_NAMES):
+                if t.tensor_type.name not in BLOCK_BYTES:
+                    raise ModelLoadError(f"--dtype gguf reads {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
+                                         f"{t.tensor_type.name} in {path.name}: use --dtype float32")
+                linear[t.name] = gguf_blocks(t.data, t.tensor_type.name)
     if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
         for i in range(config.num_layers):
             p = f"blk.{i}."
-            tensors[p + "attn_q.weight"] = _unpermute_rope(tensors[p + "attn_q.weight"], config.num_heads)
-            tensors[p + "attn_k.weight"] = _unpermute_rope(tensors[p + "attn_k.weight"], config.num_kv_heads)
-    embed = tensors["token_embd.weight"]
+            linear[p + "attn_q.weight"] = _unpermute_rope(linear[p + "attn_q.weight"], config.num_heads)
+            linear[p + "attn_k.weight"] = _unpermute_rope(linear[p + "attn_k.weight"], config.num_kv_heads)
     weights = Weights(
         embed=embed,
-        layers=[_fuse(config, tensors, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)],
+        layers=[_fuse(config, linear, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)],
         final_norm=tensors["output_norm.weight"],
-        lm_head=embed if config.tie_word_embeddings else tensors["output.weight"],
+        lm_head=linear[head],
     )
     return config, weights
 

@@ -1,17 +1,23 @@
 // Linear layers whose output rows do not depend on the batch they run in.
 //
-// out[m, n] = x[m] . w[n] + bias[n], fp32 activations, fp32 or bf16 weights (bf16 is
-// widened exactly to fp32). The weights come packed in panels of 32 rows, [N/32, K, 32]
-// (model/linear.py packs them), so one panel is read front to back. Each output is one
-// chain of fused multiply-adds over k = 0..K-1, whatever the number of rows and whichever
-// tile it falls in: a row comes out bit-identical alone and in a batch of 64. (MKL picks
-// its kernel by row count, which breaks that below 4 rows.) At one row the kernel streams
-// the weights once, at memory speed. Built without -ffast-math so the sums keep their order.
+// out[m, n] = x[m] . w[n] + bias[n], fp32 activations. The weights come packed in panels
+// of 32 rows (model/linear.py packs them), so one panel is read front to back:
+//   fp32 or bf16: [N/32, K, 32]; bf16 is widened exactly to fp32.
+//   blocks:       [N/32, K/32, 1280] bytes: per 32 k, the 32 rows' scale and offset (fp32),
+//                 then 32 x 32 codes (uint8); w = fma(scale, code, offset), which is exactly
+//                 the fp32 value gguf dequantizes Q4_0, Q4_1 and Q8_0 blocks to.
+// Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
+// rows and whichever tile it falls in: a row comes out bit-identical alone and in a batch
+// of 64, and blocks give the same bits as their fp32 values. (MKL picks its kernel by row
+// count, which breaks that below 4 rows.) At one row the kernel streams the weights once,
+// at memory speed. Built without -ffast-math so the sums keep their order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
+#include <vector>
 
 #ifndef __AVX512F__
 #error "the packed linear kernel needs AVX-512 (model/linear.py falls back to torch without it)"
@@ -21,6 +27,9 @@ namespace {
 
 constexpr int64_t kPanel = 32;  // weight rows per panel: two AVX-512 vectors of outputs
 constexpr int kRows = 12;       // activation rows per tile: 24 accumulators in registers
+constexpr int64_t kBlock = 32;  // k per block of codes
+constexpr int64_t kBlockBytes = 2 * kPanel * 4 + kBlock * kPanel;
+
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -29,19 +38,60 @@ inline __m512 widen(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+template <int MR>
+inline void accumulate(__m512 (&acc)[MR][2], const float* x, int64_t K, int64_t k, __m512 w0, __m512 w1) {
+  for (int i = 0; i < MR; ++i) {
+    const __m512 xv = _mm512_set1_ps(x[i * K + k]);
+    acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
+    acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
+  }
+}
+
+template <int MR, typename W>
+void multiply(__m512 (&acc)[MR][2], const float* x, const W* panel, int64_t K) {
+  for (int64_t k = 0; k < K; ++k)
+    accumulate<MR>(acc, x, K, k, widen(panel + k * kPanel), widen(panel + k * kPanel + 16));
+}
+
+// Weights k0 + k of a panel of blocks, rows 0-15 and 16-31.
+inline void decode(const uint8_t* block, int64_t k, __m512& w0, __m512& w1) {
+  const float* scale = reinterpret_cast<const float*>(block);
+  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kPanel * 4 + k * kPanel));
+  const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
+  const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
+  w0 = _mm512_fmadd_ps(_mm512_loadu_ps(scale), c0, _mm512_loadu_ps(scale + 32));
+  w1 = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 16), c1, _mm512_loadu_ps(scale + 48));
+}
+
+template <int MR>
+void multiply(__m512 (&acc)[MR][2], const float* x, const uint8_t* panel, int64_t K) {
+  __m512 w0, w1;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, panel += kBlockBytes) {
+    for (int64_t k = 0; k < kBlock; ++k) {
+      decode(panel, k, w0, w1);
+      accumulate<MR>(acc, x, K, k0 + k, w0, w1);
+    }
+  }
+}
+
+// A panel of blocks decoded to the fp32 panel layout, for several row tiles to share.
+void decode_panel(const uint8_t* panel, float* out, int64_t K) {
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, panel += kBlockBytes) {
+    for (int64_t k = 0; k < kBlock; ++k, out += kPanel) {
+      __m512 w0, w1;
+      decode(panel, k, w0, w1);
+      _mm512_storeu_ps(out, w0);
+      _mm512_storeu_ps(out + 16, w1);
+    }
+  }
+}
+
 // rows x[0..MR) times one panel; writes out[0..MR)[0..cols).
 template <int MR, typename W>
 void tile(const float* x, const W* panel, const float* bias, float* out, int64_t K, int64_t N, int64_t cols) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = widen(panel + k * kPanel), w1 = widen(panel + k * kPanel + 16);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[i * K + k]);
-      acc[i][0] = _mm512_fmadd_ps(xv, w0, acc[i][0]);
-      acc[i][1] = _mm512_fmadd_ps(xv, w1, acc[i][1]);
-    }
-  }
+  multiply<MR>(acc, x, panel, K);
   const __mmask16 mask0 = cols >= 16 ? 0xFFFF : (1u << cols) - 1;
   const __mmask16 mask1 = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : (1u << (cols - 16)) - 1;
   const __m512 b0 = bias ? _mm512_maskz_loadu_ps(mask0, bias) : _mm512_setzero_ps();
@@ -62,15 +112,28 @@ TileFn<W> tile_for(int rows, std::integer_sequence<int, MR...>) {
 }
 
 template <typename W>
-void run(const float* x, const W* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
+void run(const float* x, const W* w, int64_t panel_size, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> decoded;
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel, cols = std::min(kPanel, N - n);
-      for (int64_t m = 0; m < M; m += kRows) {  // the panel stays in cache while every row tile passes
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        tile_for<W>(rows, std::make_integer_sequence<int, kRows>{})(
-            x + m * K, w + p * K * kPanel, bias ? bias + n : nullptr, out + m * N + n, K, N, cols);
+      auto tiles = [&](const auto* panel) {
+        using T = std::remove_cv_t<std::remove_pointer_t<decltype(panel)>>;
+        for (int64_t m = 0; m < M; m += kRows) {  // the panel stays in cache while every row tile passes
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
+          tile_for<T>(rows, std::make_integer_sequence<int, kRows>{})(
+              x + m * K, panel, bias ? bias + n : nullptr, out + m * N + n, K, N, cols);
+        }
+      };
+      if constexpr (std::is_same_v<W, uint8_t>) {
+        if (M > kRows) {  // decode once, not once per row tile: same weights, same bits
+          decoded.resize(K * kPanel);
+          decode_panel(w + p * panel_size, decoded.data(), K);
+          tiles(decoded.data());
+          continue;
+        }
       }
+      tiles(w + p * panel_size);
     }
   });
 }
@@ -78,14 +141,18 @@ void run(const float* x, const W* w, const float* bias, float* out, int64_t M, i
 }  // namespace
 
 torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
-                            const torch::Tensor& packed,  // [ceil(N/32), K, 32] fp32 or bf16
+                            const torch::Tensor& packed,  // see the top of this file
                             int64_t N,
                             const c10::optional<torch::Tensor>& bias) {  // [N] fp32
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x: [M, K] fp32");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel &&
-                  packed.size(1) == K && packed.size(2) == kPanel, "weights: [ceil(N/32), K, 32], contiguous");
+  const bool blocks = packed.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel,
+              "weights: one panel per 32 rows, contiguous");
+  TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock && packed.size(2) == kBlockBytes
+                     : packed.size(1) == K && packed.size(2) == kPanel,
+              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280] (blocks) for this K");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias: [N] fp32");
@@ -94,12 +161,15 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   const auto xc = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
   if (M == 0) return out;
+  const int64_t panel_size = packed.size(1) * packed.size(2);
   if (packed.scalar_type() == torch::kFloat32)
-    run(xc.data_ptr<float>(), packed.data_ptr<float>(), b, out.data_ptr<float>(), M, N, K);
+    run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (packed.scalar_type() == torch::kBFloat16)
-    run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), b, out.data_ptr<float>(), M, N, K);
+    run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
+  else if (blocks)
+    run(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else
-    TORCH_CHECK(false, "weights: fp32 or bf16");
+    TORCH_CHECK(false, "weights: fp32, bf16 or blocks (uint8)");
   return out;
 }
 
