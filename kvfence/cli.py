@@ -24,11 +24,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=["auto", "kernel", "torch"], default="auto",
                    help="decode attention: the C++ kernel reading the pool in place (CPU, built on first use), "
                         "or pages gathered in PyTorch (any device); auto picks the kernel where it builds")
-    g.add_argument("--dtype", choices=["float32", "bfloat16", "gguf"], default="float32",
-                   help="linear weights: float32; gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks and gives the "
-                        "same results as float32 from a third of the bytes (CPU); bfloat16 is 2-3x faster at "
-                        "large batches where the CPU has AVX-512 BF16 or AMX, but not batch invariant and not "
-                        "bit-equal to float32 (see README)")
+    g.add_argument("--dtype", choices=["auto", "float32", "gguf", "bfloat16"], default="auto",
+                   help="linear weights: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks and gives the same results "
+                        "as float32 from a third of the bytes (CPU with AVX-512); auto takes gguf where it runs, "
+                        "else float32; bfloat16 is 2-3x faster at large batches where the CPU has AVX-512 BF16 or "
+                        "AMX, but not batch invariant and not bit-equal to float32 (see README)")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
                    help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")

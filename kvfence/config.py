@@ -27,7 +27,7 @@ class EngineConfig:
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
-    dtype: str = "float32"             # linear layers: float32 | bfloat16 | gguf (see model/linear.py)
+    dtype: str = "auto"                # linear weights: auto | float32 | gguf | bfloat16 (see model/linear.py)
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     seed: int = 0
@@ -57,8 +57,8 @@ class EngineConfig:
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
         if self.attention not in ("auto", "kernel", "torch"):
             raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
-        if self.dtype not in ("float32", "bfloat16", "gguf"):
-            raise ConfigError(f"dtype must be float32, bfloat16 or gguf, not '{self.dtype}'")
+        if self.dtype not in ("auto", "float32", "gguf", "bfloat16"):
+            raise ConfigError(f"dtype must be auto, float32, gguf or bfloat16, not '{self.dtype}'")
         check_device(self.device)
         if self.dtype == "gguf" and self.device != "cpu":
             raise ConfigError("--dtype gguf runs on the CPU only: use --dtype float32 or bfloat16 on a GPU")

@@ -119,13 +119,15 @@ def test_chat_answers_like_the_reference(real_llm):
 
 
 def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):
-    """--dtype gguf reads the file's Q4_1/Q8_0 blocks, a third of the fp32 bytes, yet every
-    logprob equals the float32 engine's, in batches of mixed prompts."""
-    gguf = LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024, dtype="gguf")
-    model = gguf.engine.runner.model
+    """The default (auto) reads the file's Q4_1/Q8_0 blocks, a third of the fp32 bytes, yet
+    every logprob equals the float32 engine's, in batches of mixed prompts."""
+    assert real_llm.engine.config.dtype == "gguf"
+    model = real_llm.engine.runner.model
     assert model.layers[0].qkv.packed.dtype == model.lm_head.packed.dtype == torch.uint8
+    fp32 = LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024, dtype="float32")
+    assert fp32.engine.runner.model.layers[0].qkv.packed.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    for ours, reference in zip(gguf.generate(PROMPTS[:6], params), real_llm.generate(PROMPTS[:6], params)):
+    for ours, reference in zip(real_llm.generate(PROMPTS[:6], params), fp32.generate(PROMPTS[:6], params)):
         assert ours.outputs[0].token_ids == reference.outputs[0].token_ids
         assert ours.outputs[0].logprobs == reference.outputs[0].logprobs
 
@@ -133,5 +135,6 @@ def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):
 def test_gguf_dtype_needs_a_gguf_file(tiny_llama_dir):
     from kvfence.model.loader import ModelLoadError
 
+    assert LLM(str(tiny_llama_dir)).engine.config.dtype == "float32"  # auto, on safetensors
     with pytest.raises(ModelLoadError, match="--dtype gguf reads the blocks of a GGUF file"):
         LLM(str(tiny_llama_dir), dtype="gguf")

@@ -17,9 +17,9 @@ from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
-from kvfence.model.kernels import decode_kernel
+from kvfence.model.kernels import decode_kernel, linear_kernel
 from kvfence.model.llama import LlamaModel
-from kvfence.model.loader import load_model, resolve_model_path
+from kvfence.model.loader import has_gguf_blocks, load_model, resolve_model_path
 from kvfence.model.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger("kvfence.engine")
@@ -33,6 +33,9 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
+        if config.dtype == "auto":  # gguf where it runs: the same results as float32 from a third of the bytes
+            usable = config.device == "cpu" and has_gguf_blocks(self.model_path) and linear_kernel("cpu") is not None
+            config.dtype = "gguf" if usable else "float32"
         model_config, weights = load_model(self.model_path, progress=progress, keep_blocks=config.dtype == "gguf")
         config.resolve(model_config)
         if config.inject_fault == faults.LEGACY_REJECT_PATH:

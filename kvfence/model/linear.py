@@ -1,4 +1,4 @@
-"""Linear layers for fp32 activations: x @ weight.T + bias, weights in fp32 or bf16."""
+"""Linear layers for fp32 activations: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks."""
 from typing import Callable
 
 import torch
@@ -26,7 +26,7 @@ class Linear:
     """With the CPU kernel, fp32 layers run through it at every batch size, which makes each
     row's result independent of the batch (invariant 10) and streams the weights at memory
     speed for a single request. GGUF blocks (uint8 weights) run through it too, with the
-    same bits as fp32 from a third to a sixth of the bytes. bf16 layers use it for small
+    same bits as fp32 from a third of the bytes. bf16 layers use it for small
     batches only and keep the plain layout for oneDNN (AMX), which is far faster on large
     ones; bf16 is not batch invariant. Without the kernel (GPU, no compiler, no AVX-512):
     torch's matmul."""

@@ -171,6 +171,26 @@ def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(data.shape[0], -1))
 
 
+def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
+    """The output layer's name and the tensors of every linear layer, output layer included."""
+    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    return head, [t for t in reader.tensors if t.name == head or t.name.endswith(_LINEAR_GGUF_NAMES)]
+
+
+def has_gguf_blocks(path: Path) -> bool:
+    """Whether `path` is a GGUF file whose linear weights are all blocks that --dtype gguf reads."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        return False
+    try:
+        reader = GGUFReader(str(path))
+        _, weights = _gguf_linear_tensors(reader, gguf_model_config(reader))
+    except Exception:  # noqa: BLE001 - an unreadable file fails with a clear error when it is loaded
+        return False
+    return all(t.tensor_type.name in BLOCK_BYTES for t in weights)
+
+
 def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConfig, Weights]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -186,14 +206,13 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
         tensors[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))
     embed = tensors["token_embd.weight"]
     linear = dict(tensors)
-    head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
+    head, weights = _gguf_linear_tensors(reader, config)
     if keep_blocks:
-        for t in reader.tensors:
-            if t.name == head or t.name.endswith(_LINEAR_GGUF_NAMES):
-                if t.tensor_type.name not in BLOCK_BYTES:
-                    raise ModelLoadError(f"--dtype gguf reads {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
-                                         f"{t.tensor_type.name} in {path.name}: use --dtype float32")
-                linear[t.name] = gguf_blocks(t.data, t.tensor_type.name)
+        for t in weights:
+            if t.tensor_type.name not in BLOCK_BYTES:
+                raise ModelLoadError(f"--dtype gguf reads {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
+                                     f"{t.tensor_type.name} in {path.name}: use --dtype float32")
+            linear[t.name] = gguf_blocks(t.data, t.tensor_type.name)
     if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
         for i in range(config.num_layers):
             p = f"blk.{i}."

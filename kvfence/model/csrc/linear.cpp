@@ -28,8 +28,7 @@ namespace {
 constexpr int64_t kPanel = 32;  // weight rows per panel: two AVX-512 vectors of outputs
 constexpr int kRows = 12;       // activation rows per tile: 24 accumulators in registers
 constexpr int64_t kBlock = 32;  // k per block of codes
-constexpr int64_t kBlockBytes = 2 * kPanel * 4 + kBlock * kPanel;
-
+constexpr int64_t kBlockBytes = 2 * kPanel * 4 + kBlock * kPanel;  // 32 scales, 32 offsets, codes
 
 inline __m512 widen(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -53,7 +52,7 @@ void multiply(__m512 (&acc)[MR][2], const float* x, const W* panel, int64_t K) {
     accumulate<MR>(acc, x, K, k, widen(panel + k * kPanel), widen(panel + k * kPanel + 16));
 }
 
-// Weights k0 + k of a panel of blocks, rows 0-15 and 16-31.
+// Weights k of one block of a panel, rows 0-15 and 16-31, as gguf dequantizes them.
 inline void decode(const uint8_t* block, int64_t k, __m512& w0, __m512& w1) {
   const float* scale = reinterpret_cast<const float*>(block);
   const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kPanel * 4 + k * kPanel));
