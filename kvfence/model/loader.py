@@ -200,19 +200,20 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     config = gguf_model_config(reader)
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        array = dequantize(t.data, t.tensor_type)
-        tensors[t.name] = torch.from_numpy(np.array(array, dtype=np.float32))
-    embed = tensors["token_embd.weight"]
-    linear = dict(tensors)
-    head, weights = _gguf_linear_tensors(reader, config)
+    head, linear_tensors = _gguf_linear_tensors(reader, config)
+    blocks: dict[str, torch.Tensor] = {}
     if keep_blocks:
-        for t in weights:
+        for t in linear_tensors:
             if t.tensor_type.name not in BLOCK_BYTES:
                 raise ModelLoadError(f"--dtype gguf reads {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
                                      f"{t.tensor_type.name} in {path.name}: use --dtype float32")
-            linear[t.name] = gguf_blocks(t.data, t.tensor_type.name)
+            blocks[t.name] = gguf_blocks(t.data, t.tensor_type.name)
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        if t.name not in blocks or t.name == "token_embd.weight":  # the embedding lookup needs fp32
+            tensors[t.name] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+    embed = tensors["token_embd.weight"]
+    linear = tensors | blocks
     if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
         for i in range(config.num_layers):
             p = f"blk.{i}."
