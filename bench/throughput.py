@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--dtype", default="auto", help="linear weights: auto (gguf where it runs), float32, gguf or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtype bfloat16), float32 or bfloat16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
@@ -136,12 +137,14 @@ def main() -> None:
     peak_of = lambda dtype=torch.float32: matmul_peak_gflops(dtype=dtype, device=args.device)  # noqa: E731
     peaks = [peak_of()]
     llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype, device=args.device,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype,
+              kv_cache_dtype=args.kv_cache_dtype, device=args.device,
               kv_sentinel=args.sentinel, kv_scrub=args.scrub)
     cfg = llm.engine.model_config
     workload = mixed_workload(args.num_requests, args.seed)
     llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up
-    report = {"machine": machine_line(args.device), "dtype": llm.engine.config.dtype}
+    report = {"machine": machine_line(args.device), "dtype": llm.engine.config.dtype,
+              "kv_cache_dtype": llm.engine.config.kv_cache_dtype}
     report["kvfence"] = run_kvfence(llm, workload)
     batch64 = [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]
     report["kvfence_batch64"] = run_kvfence(llm, batch64)
@@ -173,7 +176,7 @@ def main() -> None:
         report["vllm"] = run_vllm(args.vllm_python, llm.engine.model_path, {"mixed": workload, "batch64": batch64},
                                   args.threads, args.max_num_seqs, args.vllm_dtypes.split(","))
 
-    print(f"machine: {report['machine']}; kvfence --dtype {report['dtype']}")
+    print(f"machine: {report['machine']}; kvfence --dtype {report['dtype']} --kv-cache-dtype {report['kv_cache_dtype']}")
     print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of {', '.join(f'{p:.0f}' for p in peaks)})")
     k = report["kvfence"]
     print(f"kvfence      {k['requests']:4d} requests  {k['output_tokens']:7d} tokens  {k['seconds']:8.1f} s  "

@@ -45,7 +45,7 @@ def sender(conn, tokens_list: list[int], page_size: int) -> None:
     pool.v.normal_()
     ours = KVTransfer(pool, "bench-sender")
     raw_agent = nixl_agent("bench-raw-sender", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    buffers = {tokens: torch.randn(tokens * SMOLLM2.kv_bytes_per_token // 4) for tokens in tokens_list}
+    buffers = {tokens: torch.randn(tokens * SMOLLM2.kv_bytes_per_token(4) // 4) for tokens in tokens_list}
     for buf in buffers.values():
         raw_agent.register_memory(buf)
     for tokens, buf in buffers.items():
@@ -70,7 +70,7 @@ def receiver(conn, tokens_list: list[int], page_size: int, repeats: int, out) ->
     results = []
     for _ in tokens_list:
         tokens, manifests, raw_meta, raw_descs = conn.recv()
-        nbytes = tokens * SMOLLM2.kv_bytes_per_token
+        nbytes = tokens * SMOLLM2.kv_bytes_per_token(4)
         local = torch.empty(nbytes // 4)
         raw_agent.register_memory(local)
         remote_name = raw_agent.add_remote_agent(raw_meta)

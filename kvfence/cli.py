@@ -29,6 +29,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "as float32 from a third of the bytes (CPU with AVX-512); auto takes gguf where it runs, "
                         "else float32; bfloat16 is 2-3x faster at large batches where the CPU has AVX-512 BF16 or "
                         "AMX, but not batch invariant and not bit-equal to float32 (see README)")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "
+                        "stays fp32); auto takes bfloat16 with --dtype bfloat16, else float32. Disaggregated "
+                        "workers must agree")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
                    help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")
@@ -40,7 +44,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, max_model_len=args.max_model_len, page_size=args.page_size,
         num_kv_pages=args.num_kv_pages, kv_memory_gib=args.kv_memory_gib, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, num_threads=args.threads,
-        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, dtype=args.dtype, prefix_cache=not args.no_prefix_cache,
+        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
         inject_fault=args.inject_fault, seed=args.seed)
 
 

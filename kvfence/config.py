@@ -28,6 +28,7 @@ class EngineConfig:
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
     dtype: str = "auto"                # linear weights: auto | float32 | gguf | bfloat16 (see model/linear.py)
+    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16, else float32) | float32 | bfloat16
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     seed: int = 0
@@ -44,8 +45,13 @@ class EngineConfig:
             raise ConfigError(
                 f"max_model_len {self.max_model_len} is over the model's {model.max_position_embeddings} "
                 f"positions: lower --max-model-len to at most {model.max_position_embeddings}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, not '{self.kv_cache_dtype}'")
+        if self.kv_cache_dtype == "auto":
+            self.kv_cache_dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
+        kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
         if self.num_kv_pages is None:
-            page_bytes = model.kv_bytes_per_token * self.page_size
+            page_bytes = kv_bytes_per_token * self.page_size
             self.num_kv_pages = int(self.kv_memory_gib * GIB // page_bytes)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
@@ -65,7 +71,11 @@ class EngineConfig:
         if self.attention == "kernel" and self.device != "cpu":
             raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":
-            check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, model.kv_bytes_per_token)
+            check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, kv_bytes_per_token)
+
+    @property
+    def kv_element_size(self) -> int:
+        return 2 if self.kv_cache_dtype == "bfloat16" else 4
 
 
 def check_device(device: str) -> None:

@@ -32,11 +32,14 @@ def meta(table, lengths, page_size, kernel):
                              prefills=[], decode_kernel=kernel)
 
 
-def test_kernel_matches_gathered_attention(kernel):
+@pytest.mark.parametrize("dim", [64, 128, 48])  # the two head sizes compiled for, and any other
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype):
     lengths = [1, 4, 5, 6, 33, 100]
-    q, k, v, table, lens = random_batch(lengths)
+    q, k, v, table, lens = random_batch(lengths, dim=dim)
+    k, v = k.to(cache_dtype), v.to(cache_dtype)
     ours = paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125)
-    ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)
+    ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)  # widens the bf16 pages to fp32 too
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
 
 

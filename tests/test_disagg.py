@@ -9,10 +9,11 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 
 from conftest import spawn_server, start_server, stop_server, wait_for_idle_pool, wait_healthy
 from kvfence import LLM, SamplingParams
-from kvfence.disagg.transfer import Manifest, TransferError, verify
+from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, verify
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
 
@@ -115,6 +116,24 @@ def test_manifest_checks_catch_every_mismatch():
                                           ({}, 6, [1, 3]), ({}, 7, None)]:
         with pytest.raises(TransferError):
             verify(Manifest(**{**good, **change}), expected_tokens, pool, sums)
+
+
+def test_bfloat16_pool_pages_arrive_bit_for_bit():
+    """Two agents in one process: a bf16 pool's pages land in other pages, and the receiver's
+    checksums of what landed match the sender's manifest."""
+    cfg = ModelConfig("llama", 10, 8, 16, 2, 2, 1, 4, 1e4, 1e-5, 64, True)
+    src, dst = KVPool(cfg, 8, 4, dtype=torch.bfloat16), KVPool(cfg, 8, 4, dtype=torch.bfloat16)
+    src.k.normal_()
+    src.v.normal_()
+    sender, receiver = KVTransfer(src), KVTransfer(dst)
+    manifest = sender.manifest("t", [5, 2], 6)  # 6 tokens: a full page of 4, then 2 slots
+    assert manifest.dtype == "bfloat16"
+    sender.expect("t", timeout=10)
+    receiver.read(manifest, [1, 7], timeout=10)
+    verify(manifest, 6, dst, receiver.checksums([1, 7], 6))
+    for cache_src, cache_dst in ((src.k, dst.k), (src.v, dst.v)):
+        assert torch.equal(cache_dst[:, 4:8], cache_src[:, 20:24]) and torch.equal(cache_dst[:, 28:30], cache_src[:, 8:10])
+    assert not dst.k[:, 30:32].any()  # the last page's unwritten slots were not sent
 
 
 def test_truncated_transfer_fails_with_an_error_and_frees_pages(tmp_path):

@@ -1,5 +1,6 @@
 """Admission, scheduling, preemption, abort and pool accounting on a tiny model."""
 import pytest
+import torch
 
 from conftest import assert_pool_empty
 from kvfence import LLM, SamplingParams
@@ -46,6 +47,16 @@ def test_start_refused_when_pool_smaller_than_context(tiny_llama_dir):
 def test_unknown_dtype_refused(tiny_llama_dir):
     with pytest.raises(ConfigError, match="dtype must be auto, float32, gguf or bfloat16, not 'float16'"):
         tiny_engine(tiny_llama_dir, dtype="float16")
+
+
+def test_bfloat16_kv_cache_holds_twice_the_tokens(tiny_llama_dir):
+    fp32 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01)
+    bf16 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="bfloat16")
+    assert fp32.pool.k.dtype == torch.float32 and bf16.pool.k.dtype == bf16.pool.v.dtype == torch.bfloat16
+    assert bf16.allocator.num_pages in (2 * fp32.allocator.num_pages, 2 * fp32.allocator.num_pages + 1)
+    assert tiny_engine(tiny_llama_dir, dtype="bfloat16").pool.k.dtype == torch.bfloat16  # auto follows --dtype
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32 or bfloat16, not 'fp8'"):
+        tiny_engine(tiny_llama_dir, kv_cache_dtype="fp8")
 
 
 def test_start_accepted_when_pool_holds_exactly_the_context(tiny_llama_dir):

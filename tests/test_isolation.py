@@ -191,6 +191,10 @@ def test_check_config_estimates_vllm_from_memory(qwen_config, check_config):
 def test_check_config_on_kvfence_flags(check_config):
     assert check_config("--", "--num-kv-pages", "100")[0] == 1
     assert check_config("--", "--num-kv-pages", "1024")[0] == 0
+    # 0.25 GiB holds 5,825 fp32 tokens of the default model, under its 8,192; in bf16, 11,650
+    assert check_config("--", "--kv-memory-gib", "0.25")[0] == 1
+    assert check_config("--", "--kv-memory-gib", "0.25", "--kv-cache-dtype", "bfloat16")[0] == 0
+    assert check_config("--", "--kv-memory-gib", "0.25", "--dtype", "bfloat16")[0] == 0  # auto follows --dtype
 
 
 @pytest.mark.parametrize("args", [

@@ -67,17 +67,19 @@ def compare_batched(llm, hf_model, prompts, max_tokens, atol):
 
 
 @pytest.mark.parametrize("attention", ["kernel", "torch"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tiny_model_logits_match_transformers(arch, attention, request):
-    """Prefill in chunks and decode, batched with prompts of other lengths, page size 5."""
+@pytest.mark.parametrize("arch,kv_cache_dtype,atol", [("llama", "float32", 1e-4), ("qwen2", "float32", 1e-4),
+                                                      ("llama", "bfloat16", 0.1)])
+def test_tiny_model_logits_match_transformers(arch, kv_cache_dtype, atol, attention, request):
+    """Prefill in chunks and decode, batched with prompts of other lengths, page size 5. A
+    bf16 pool rounds K and V to 8 bits of mantissa, which moves logits by hundredths."""
     from transformers import AutoModelForCausalLM
 
     path = request.getfixturevalue(f"tiny_{arch}_dir")
     llm = LLM(str(path), page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8,
-              attention=attention)
+              attention=attention, kv_cache_dtype=kv_cache_dtype)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     prompts = ["hello", "a longer prompt that will need several chunks of prefill to get through", "x y z w"]
-    compare_batched(llm, hf, prompts, max_tokens=6, atol=1e-4)
+    compare_batched(llm, hf, prompts, max_tokens=6, atol=atol)
 
 
 def test_default_model_logits_match_transformers(hf_reference):
@@ -87,11 +89,12 @@ def test_default_model_logits_match_transformers(hf_reference):
 
 
 def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference):
-    """bf16 linear layers move logits by tenths (so near-ties can flip a greedy token), not more."""
+    """bf16 linear layers and KV pool move logits by tenths (so near-ties can flip a greedy
+    token), not more."""
     llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2,
               dtype="bfloat16")
     model = llm.engine.runner.model
-    assert model.layers[0].qkv.dtype == model.lm_head.dtype == torch.bfloat16
+    assert model.layers[0].qkv.dtype == model.lm_head.dtype == llm.engine.pool.k.dtype == torch.bfloat16
     prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=1.0)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],

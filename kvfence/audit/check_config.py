@@ -78,12 +78,12 @@ def _memory_pool(mem_gib: float | None, fraction: float, weights_gib: float | No
 
 def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_gib: float | None = None,
           weights_gib: float | None = None) -> CapacityReport:
-    def kv_bytes(dtype_bytes: int) -> int:
-        return 2 * model.num_layers * model.num_kv_heads * model.head_dim * dtype_bytes
-
     if engine == "kvfence":
-        a = _parse(argv, {"--max-model-len": int, "--page-size": int, "--num-kv-pages": int, "--kv-memory-gib": float})
-        per_token = model.kv_bytes_per_token
+        a = _parse(argv, {"--max-model-len": int, "--page-size": int, "--num-kv-pages": int, "--kv-memory-gib": float,
+                          "--dtype": str, "--kv-cache-dtype": str})
+        kv_dtype = a.get("--kv-cache-dtype", "auto")
+        bf16 = kv_dtype == "bfloat16" or kv_dtype == "auto" and a.get("--dtype") == "bfloat16"
+        per_token = model.kv_bytes_per_token(2 if bf16 else 4)
         context = a.get("--max-model-len", model.max_position_embeddings)
         page = a.get("--page-size", 16)
         if "--num-kv-pages" in a:
@@ -97,7 +97,7 @@ def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_g
                           "--tensor-parallel-size": int, "-tp": int, "--block-size": int,
                           "--num-gpu-blocks-override": int, "--kv-cache-memory-bytes": int})
         tp = a.get("--tensor-parallel-size", a.get("-tp", 1))
-        per_token = kv_bytes(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
+        per_token = model.kv_bytes_per_token(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
         context = a.get("--max-model-len", model.max_position_embeddings)
         if "--num-gpu-blocks-override" in a:
             pool, estimate = a["--num-gpu-blocks-override"] * a.get("--block-size", 16), False
@@ -112,7 +112,7 @@ def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_g
         a = _parse(argv, {"--context-length": int, "--max-total-tokens": int, "--mem-fraction-static": float,
                           "--kv-cache-dtype": str, "--tp-size": int, "--tp": int})
         tp = a.get("--tp-size", a.get("--tp", 1))
-        per_token = kv_bytes(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
+        per_token = model.kv_bytes_per_token(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
         context = a.get("--context-length", model.max_position_embeddings)
         if "--max-total-tokens" in a:
             pool, estimate = a["--max-total-tokens"], False

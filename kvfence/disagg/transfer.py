@@ -105,7 +105,7 @@ class KVTransfer:
     def checksums(self, pages: list[int], token_count: int) -> list[int]:
         """CRC32 of each page's written slots, K then V, layer by layer (read in place)."""
         ps = self.pool.page_size
-        k, v = self.pool.k.numpy(), self.pool.v.numpy()
+        k, v = self.pool.k.view(torch.uint8).numpy(), self.pool.v.view(torch.uint8).numpy()  # numpy has no bf16
         sums = []
         for page, slots in zip(pages, page_spans(token_count, ps)):
             crc = 0

@@ -46,7 +46,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = {t for t in [self.tokenizer.eos_token_id] if t is not None}
         self.max_model_len = config.max_model_len
-        self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device)
+        self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device,
+                           getattr(torch, config.kv_cache_dtype))
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,

@@ -35,8 +35,8 @@ class AttentionMetadata:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -49,7 +49,8 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; caches: [slots, KVH, D]. Returns [T, H, D] (zero for padding rows)."""
+    """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16 (widened on read). Returns [T, H, D]
+    (zero for padding rows)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -62,14 +63,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
             qd = q[:rd].view(rd, num_kv_heads, group, head_dim)
-            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size)
-            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size)
+            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size).to(q.dtype)
+            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
             out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:
         qp = q[chunk.row_start:chunk.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
-        v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+        k = k_cache[chunk.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
+        v = v_cache[chunk.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[chunk.row_start:chunk.row_end] = o[0].transpose(0, 1)

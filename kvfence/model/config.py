@@ -18,7 +18,6 @@ class ModelConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """fp32 K and V for every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 4
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """K and V for every layer, `element_size` bytes a value."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

@@ -3,13 +3,111 @@
 // Each request walks its own block table page by page, so the context is read once and
 // never copied into a gathered tensor: decode attention is bound by memory traffic, and
 // the gather used to double it. Page numbers are bounds-checked against the pool before
-// any read. Built with -ffast-math so that exp and the reductions vectorize.
+// any read. The pool holds fp32 or bf16; the math is fp32 either way. Built with
+// -ffast-math so that exp and the reductions vectorize.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <vector>
+
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t bf16) {  // bf16 is the top half of an fp32
+  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, page_size;
+};
+
+// One request: q and out are [H, D]; its slots are read through `pages`. T is the pool's
+// element (float, or uint16_t for bf16); kD is the head dimension fixed at compile time
+// (the loops over it then vectorize without remainders), or 0 to take s.dim at run time.
+template <typename T, int kD>
+void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* pages, int64_t len,
+            const Shape& s, float scale, float* out, std::vector<float>& scores) {
+  const int64_t D = kD ? kD : s.dim, G = s.group, row = s.kv_heads * D;
+  // Calls fn(slot row, position) for each of the request's slots in `cache`, page by page.
+  auto for_each_slot = [&](const T* cache, auto&& fn) {
+    for (int64_t start = 0; start < len; start += s.page_size) {
+      const T* page = cache + pages[start / s.page_size] * s.page_size * row;
+      const int64_t n = std::min(s.page_size, len - start);
+      // The pages lie anywhere in the pool: fetch the next one while this one is read.
+      const T* next = start + s.page_size < len ? cache + pages[start / s.page_size + 1] * s.page_size * row : nullptr;
+      for (int64_t i = 0; i < n; ++i) {
+        if (next)
+          for (int64_t c = 0; c < row; c += 64 / sizeof(T)) __builtin_prefetch(next + i * row + c);
+        fn(page + i * row, start + i);
+      }
+    }
+  };
+  scores.resize(s.heads * len);
+  // Each K head is loaded once for the G query heads that share it.
+  for_each_slot(k_cache, [&](const T* slot, int64_t pos) {
+    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
+      const T* k = slot + kh * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float* qh = q + h * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * widen(k[d]);
+        scores[h * len + pos] = dot * scale;
+      }
+    }
+  });
+  for (int64_t h = 0; h < s.heads; ++h) {
+    float* sh = scores.data() + h * len;
+    const float m = *std::max_element(sh, sh + len);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t pos = 0; pos < len; ++pos) {
+      sh[pos] = std::exp(sh[pos] - m);
+      sum += sh[pos];
+    }
+    const float inv = 1.f / sum;
+#pragma omp simd
+    for (int64_t pos = 0; pos < len; ++pos) sh[pos] *= inv;
+  }
+  std::fill(out, out + s.heads * D, 0.f);
+  for_each_slot(v_cache, [&](const T* slot, int64_t pos) {
+    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
+      const T* v = slot + kh * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        const float w = scores[h * len + pos];
+        float* oh = out + h * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) oh[d] += w * widen(v[d]);
+      }
+    }
+  });
+}
+
+// Runs every request of the batch, one task per request: a slot's K (or V) row holds every
+// KV head side by side, so a task that takes all heads reads whole contiguous rows and no
+// cache line twice.
+template <typename T>
+void attend_all(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
+                int64_t B, int64_t P, const Shape& s, float scale, float* out) {
+  const auto run = s.dim == 64 ? attend<T, 64> : s.dim == 128 ? attend<T, 128> : attend<T, 0>;
+  const int64_t stride = s.heads * s.dim;
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t b = begin; b < end; ++b)
+      run(q + b * stride, k_cache, v_cache, tables + b * P, lens[b], s, scale, out + b * stride, scores);
+  });
+}
+
+}  // namespace
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, H, D]
                                      const torch::Tensor& k_cache,       // [slots, KVH, D]
@@ -18,15 +116,17 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
                                      const torch::Tensor& lengths,       // [B] int64
                                      int64_t page_size, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k_cache.scalar_type() == torch::kFloat32 &&
-                  v_cache.scalar_type() == torch::kFloat32, "fp32 tensors only");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && v_cache.scalar_type() == cache_type &&
+                  (cache_type == torch::kFloat32 || cache_type == torch::kBFloat16),
+              "fp32 queries and an fp32 or bf16 pool only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   block_tables.is_contiguous() && lengths.is_contiguous(), "contiguous tensors only");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64, "int64 tables");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && q.size(2) == k_cache.size(2), "shape mismatch");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && block_tables.size(0) == B && lengths.size(0) == B, "shape mismatch");
-  const int64_t G = H / KVH, P = block_tables.size(1), num_pages = k_cache.size(0) / page_size;
+  const int64_t P = block_tables.size(1), num_pages = k_cache.size(0) / page_size;
   const int64_t* table = block_tables.data_ptr<int64_t>();
   const int64_t* lens = lengths.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
@@ -35,64 +135,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
       TORCH_CHECK(table[b * P + p] >= 0 && table[b * P + p] < num_pages, "page outside the pool");
   }
   auto out = torch::empty_like(q);
-  const float* qd = q.data_ptr<float>();
-  const float* kd = k_cache.data_ptr<float>();
-  const float* vd = v_cache.data_ptr<float>();
-  float* od = out.data_ptr<float>();
+  const Shape shape{H, KVH, H / KVH, D, page_size};
   const float fscale = static_cast<float>(scale);
-
-  // One task per request: a slot's K (or V) row holds every KV head side by side, so a task
-  // that takes all heads reads whole contiguous rows and no cache line twice.
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t len = lens[b], row = KVH * D;
-      const int64_t* pages = table + b * P;
-      const float* qb = qd + b * H * D;
-      float* ob = od + b * H * D;
-      // Calls fn(row, position) for each of the request's slots in `cache`, page by page.
-      auto for_each_slot = [&](const float* cache, auto&& fn) {
-        for (int64_t start = 0; start < len; start += page_size) {
-          const float* page = cache + pages[start / page_size] * page_size * row;
-          const int64_t n = std::min(page_size, len - start);
-          for (int64_t i = 0; i < n; ++i) fn(page + i * row, start + i);
-        }
-      };
-      scores.resize(H * len);
-      for_each_slot(kd, [&](const float* kr, int64_t pos) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qb + h * D;
-          const float* k_head = kr + (h / G) * D;
-          float s = 0.f;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < D; ++d) s += qh[d] * k_head[d];
-          scores[h * len + pos] = s * fscale;
-        }
-      });
-      for (int64_t h = 0; h < H; ++h) {
-        float* sh = scores.data() + h * len;
-        const float m = *std::max_element(sh, sh + len);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sh[pos] = std::exp(sh[pos] - m);
-          sum += sh[pos];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t pos = 0; pos < len; ++pos) sh[pos] *= inv;
-      }
-      std::fill(ob, ob + H * D, 0.f);
-      for_each_slot(vd, [&](const float* vr, int64_t pos) {
-        for (int64_t h = 0; h < H; ++h) {
-          const float w = scores[h * len + pos];
-          const float* vh = vr + (h / G) * D;
-          float* oh = ob + h * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) oh[d] += w * vh[d];
-        }
-      });
-    }
-  });
+  if (cache_type == torch::kFloat32)
+    attend_all(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, lens, B, P, shape,
+               fscale, out.data_ptr<float>());
+  else
+    attend_all(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, lens, B, P, shape, fscale,
+               out.data_ptr<float>());
   return out;
 }
 
