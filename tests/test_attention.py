@@ -38,9 +38,10 @@ def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype):
     lengths = [1, 4, 5, 6, 33, 100]
     q, k, v, table, lens = random_batch(lengths, dim=dim)
     k, v = k.to(cache_dtype), v.to(cache_dtype)
-    ours = paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125)
-    ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)  # widens the bf16 pages to fp32 too
+    ours = kernel(q, k, v, table, lens, 5, 0.125)  # fp32 math and output from either pool
+    ref = paged_attention(q, k.float(), v.float(), meta(table, lens, 5, None), scale=0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    assert paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125).dtype == cache_dtype
 
 
 def test_kernel_reads_only_its_own_pages(kernel):

@@ -49,28 +49,28 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16 (widened on read). Returns [T, H, D]
-    (zero for padding rows)."""
+    """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16. Returns [T, H, D] in the caches'
+    dtype (zero for padding rows). Decode math is fp32; prefill runs in the caches' dtype."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
+    out = torch.zeros_like(q, dtype=k_cache.dtype)
     if meta.num_decode:
         rd = meta.num_decode
         if meta.decode_kernel is not None:
-            out[:rd] = meta.decode_kernel(q[:rd].contiguous(), k_cache, v_cache, meta.decode_block_table,
+            out[:rd] = meta.decode_kernel(q[:rd].float().contiguous(), k_cache, v_cache, meta.decode_block_table,
                                           meta.decode_lens, meta.page_size, scale)
         else:
             # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
-            qd = q[:rd].view(rd, num_kv_heads, group, head_dim)
-            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size).to(q.dtype)
-            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size).to(q.dtype)
+            qd = q[:rd].float().view(rd, num_kv_heads, group, head_dim)
+            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size).float()
+            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size).float()
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
             out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:
-        qp = q[chunk.row_start:chunk.row_end].transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        k = k_cache[chunk.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, KVH, L, D]
-        v = v_cache[chunk.context_slots].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        qp = q[chunk.row_start:chunk.row_end].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
+        v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[chunk.row_start:chunk.row_end] = o[0].transpose(0, 1)

@@ -36,6 +36,12 @@ def decode_kernel(attention: str, device: str):
     return None if module is None else module.paged_decode_attention
 
 
+def fused_ops(device: str):
+    """add_rms_norm and silu_mul of csrc/fused.cpp for `device`, or None (GPU, or no
+    compiler: the PyTorch ops in model/llama.py)."""
+    return None if device != "cpu" else build("fused", fast_math=True)  # fast-math vectorizes exp
+
+
 def linear_kernel(device: str):
     """The packed linear kernel for `device`, or None (GPU, or no kernel: torch's matmul)."""
     if device != "cpu":

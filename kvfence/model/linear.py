@@ -1,4 +1,6 @@
-"""Linear layers for fp32 activations: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks."""
+"""Linear layers: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks. The output is in
+the layer's dtype (fp32 for GGUF blocks): bf16 layers hand bf16 on, which spares a
+conversion each way on every call."""
 from typing import Callable
 
 import torch
@@ -60,8 +62,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.weight is None and self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
-            return self.kernel(x, self.packed, self.out_features, self.bias)
+            return self.kernel(x.float(), self.packed, self.out_features, self.bias).to(self.dtype)
         if self.onednn is not None:
-            out = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.onednn, self.low_bias, "none", [], "")
-            return out.to(x.dtype)
-        return F.linear(x.to(self.dtype), self.weight, self.low_bias).to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.onednn, self.low_bias, "none", [], "")
+        return F.linear(x.to(self.dtype), self.weight, self.low_bias)

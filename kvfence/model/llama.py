@@ -7,13 +7,25 @@ import torch.nn.functional as F
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvfence.model.config import ModelConfig
-from kvfence.model.kernels import linear_kernel
+from kvfence.model.kernels import fused_ops, linear_kernel
 from kvfence.model.linear import Linear
 from kvfence.model.loader import Weights
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, x.shape[-1:], weight, eps)
+class TorchOps:
+    """What csrc/fused.cpp computes, in PyTorch ops: for GPUs, and CPUs without a compiler."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+        if delta is not None:
+            x += delta
+        return F.rms_norm(x, x.shape[-1:], weight, eps).to(out_dtype)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 @dataclass
@@ -27,15 +39,19 @@ class Layer:
 
 
 class LlamaModel:
-    """Norms, RoPE, the residual stream and attention run in fp32; the linear layers in
-    `dtype` (fp32 by default; bfloat16 halves weight traffic and, where oneDNN has AVX-512
-    BF16 or AMX, roughly triples large-batch matmul speed, at the cost of batch invariance
-    and of bit-equality with fp32). See model/linear.py for which kernel runs when."""
+    """Norms, RoPE, the residual stream and decode attention math run in fp32; the linear
+    layers in `dtype` (fp32 by default; bfloat16 halves weight traffic and, where oneDNN has
+    AVX-512 BF16 or AMX, roughly triples large-batch matmul speed, at the cost of batch
+    invariance and of bit-equality with fp32). In bf16 the tensors between a linear layer and
+    the next (SwiGLU, attention output) stay bf16. See model/linear.py for which kernel runs
+    when."""
 
     def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu", dtype: torch.dtype = torch.float32):
         self.config = config
         self.device = torch.device(device)
         kernel = linear_kernel(self.device.type)
+        self.ops = fused_ops(self.device.type) or TorchOps
+        self.dtype = dtype
         # torch's fp32 matmul (MKL) gives batch-independent rows only from 4 rows up; the kernel at any count.
         self.min_batch_rows = 1 if kernel is not None else 4
         fp32 = lambda t: t.to(self.device, torch.float32)  # noqa: E731
@@ -63,10 +79,12 @@ class LlamaModel:
         """Runs every row of the batch; returns logits [len(sample_rows), vocab] for the rows to sample."""
         cfg = self.config
         num_rows = input_ids.shape[0]
+        eps, ops = cfg.rms_norm_eps, self.ops
         cos, sin = self.rope(positions)
-        x = self.embed[input_ids]
+        x = self.embed[input_ids]  # the fp32 residual stream; each layer's output is added in the next norm
+        delta = None
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+            h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
             qkv = layer.qkv(h)
             # RoPE on the query and key heads at once: they lie side by side in qkv.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -75,9 +93,7 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].view(num_rows, cfg.num_kv_heads, cfg.head_dim)
             write_kv(kv.k[i], kv.v[i], k, v, meta)
             attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
-            x = x + layer.o(attn.view(num_rows, self.q_size))
-            h = rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-        x = rms_norm(x[sample_rows], self.final_norm, cfg.rms_norm_eps)
+            h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        x = ops.add_rms_norm(x[sample_rows], delta[sample_rows], self.final_norm, eps, self.dtype)
         return self.lm_head(x)

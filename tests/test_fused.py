@@ -1,0 +1,57 @@
+"""The fused element-wise kernel (csrc/fused.cpp) against the PyTorch ops it replaces."""
+import pytest
+import torch
+
+from kvfence.model.kernels import fused_ops
+from kvfence.model.llama import TorchOps
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = fused_ops("cpu")
+    assert module is not None, "csrc/fused.cpp did not build (see the warning above)"
+    return module
+
+
+@pytest.mark.parametrize("delta_dtype", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_matches_torch(ops, delta_dtype, out_dtype):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(37, 96, generator=gen), torch.randn(96, generator=gen)
+    delta = None if delta_dtype is None else torch.randn(37, 96, generator=gen).to(delta_dtype)
+    ours_x, ref_x = x.clone(), x.clone()
+    ours = ops.add_rms_norm(ours_x, delta, weight, 1e-5, out_dtype)
+    ref = TorchOps.add_rms_norm(ref_x, delta, weight, 1e-5, out_dtype)
+    assert ours.dtype == out_dtype and torch.equal(ours_x, ref_x)  # the residual is updated in place, exactly
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2  # bf16: at most one rounding step apart
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(ops, dtype):
+    gate_up = (3 * torch.randn(37, 2 * 80, generator=torch.Generator().manual_seed(1))).to(dtype)
+    ours, ref = ops.silu_mul(gate_up), TorchOps.silu_mul(gate_up)
+    assert ours.dtype == dtype and ours.shape == (37, 80)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_rows_do_not_depend_on_the_batch(ops):
+    gen = torch.Generator().manual_seed(2)
+    x, delta, weight = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen), torch.randn(576)
+    batch = ops.add_rms_norm(x.clone(), delta, weight, 1e-5, torch.float32)
+    alone = ops.add_rms_norm(x[5:6].clone(), delta[5:6].clone(), weight, 1e-5, torch.float32)
+    assert torch.equal(batch[5:6], alone)
+    gate_up = torch.randn(64, 3072, generator=gen)
+    assert torch.equal(ops.silu_mul(gate_up)[9:10], ops.silu_mul(gate_up[9:10].clone()))
+
+
+def test_bad_inputs_are_refused(ops):
+    with pytest.raises(RuntimeError, match="x: contiguous fp32"):
+        ops.add_rms_norm(torch.randn(4, 8).bfloat16(), None, torch.randn(8), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="weight"):
+        ops.add_rms_norm(torch.randn(4, 8), None, torch.randn(7), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="delta"):
+        ops.add_rms_norm(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5, torch.float32)
+    with pytest.raises(RuntimeError, match="gate_up"):
+        ops.silu_mul(torch.randn(4, 7))
