@@ -36,6 +36,28 @@ def test_silu_mul_matches_torch(ops, dtype):
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
+    gen = torch.Generator().manual_seed(3)
+    rows, heads, kv_heads, dim = 11, 6, 2, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(qkv_dtype)
+    angles = torch.randn(rows, dim // 2, generator=gen)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((-angles.sin(), angles.sin()), -1)
+    slots = torch.randperm(40, generator=gen)[:rows]
+    caches = [torch.zeros(40, kv_heads, dim, dtype=cache_dtype) for _ in range(4)]
+    ours = ops.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, heads)
+    ref = TorchOps.rope_write_kv(qkv, cos, sin, caches[2], caches[3], slots, heads)
+    assert ours.dtype == torch.float32 and ours.shape == (rows, heads, dim)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=tol, rtol=tol)  # the keys
+    assert torch.equal(caches[1], caches[3])  # the values, copied (and rounded) alike
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not caches[0][untouched].any() and not caches[1][untouched].any()
+
+
 def test_rows_do_not_depend_on_the_batch(ops):
     gen = torch.Generator().manual_seed(2)
     x, delta, weight = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen), torch.randn(576)
@@ -55,3 +77,9 @@ def test_bad_inputs_are_refused(ops):
         ops.add_rms_norm(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5, torch.float32)
     with pytest.raises(RuntimeError, match="gate_up"):
         ops.silu_mul(torch.randn(4, 7))
+    cache = torch.zeros(8, 1, 4)
+    qkv, cos, sin = torch.randn(2, 12), torch.randn(2, 4), torch.randn(2, 4)
+    for slot in (8, -1):  # one past the pool, and negative
+        with pytest.raises(RuntimeError, match="slot outside the pool"):
+            ops.rope_write_kv(qkv, cos, sin, cache, cache.clone(), torch.tensor([0, slot]), 1)
+    assert not cache.any()  # checked before anything is written

@@ -33,12 +33,6 @@ class AttentionMetadata:
         return (positions[None, :] < self.decode_lens[:, None])[:, None, None, :]
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-
-
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """[Rd, KVH, P * page_size, D]: whole pages copied out of the pool in block-table order."""
     rd, num_pages = block_table.shape

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.kv.pool import KVPool
-from kvfence.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import fused_ops, linear_kernel
 from kvfence.model.linear import Linear
@@ -26,6 +26,18 @@ class TorchOps:
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    @staticmethod
+    def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+        rows, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
+        qk_width = (num_heads + num_kv_heads) * head_dim
+        # RoPE on the query and key heads at once: they lie side by side in qkv.
+        qk = qkv[:, :qk_width].view(rows, -1, head_dim)
+        qk = qk * cos[:, None] + qk.roll(head_dim // 2, -1) * sin[:, None]
+        k_cache.index_copy_(0, slots, qk[:, num_heads:].to(k_cache.dtype))
+        v_cache.index_copy_(0, slots, qkv[:, qk_width:].view(rows, num_kv_heads, head_dim).to(v_cache.dtype))
+        return qk[:, :num_heads]
 
 
 @dataclass
@@ -65,13 +77,12 @@ class LlamaModel:
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
         self.scale = d ** -0.5
         self.q_size = config.num_heads * d
-        self.kv_size = config.num_kv_heads * d
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin with the first half of sin negated: x * cos + x.roll(D/2) * sin is then
-        HF's x * cos + rotate_half(x) * sin, bit for bit, in fewer ops."""
+        """cos and sin [T, D], the first half of sin negated: x * cos + x.roll(D/2) * sin is then
+        HF's x * cos + rotate_half(x) * sin."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return torch.cat((freqs, freqs), dim=-1).cos()[:, None, :], torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :]
+        return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -85,13 +96,7 @@ class LlamaModel:
         delta = None
         for i, layer in enumerate(self.layers):
             h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
-            qkv = layer.qkv(h)
-            # RoPE on the query and key heads at once: they lie side by side in qkv.
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_rows, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = qk * cos + qk.roll(cfg.head_dim // 2, -1) * sin
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, self.q_size + self.kv_size:].view(num_rows, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(kv.k[i], kv.v[i], k, v, meta)
+            q = ops.rope_write_kv(layer.qkv(h), cos, sin, kv.k[i], kv.v[i], meta.slot_mapping, cfg.num_heads)
             attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
             h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))

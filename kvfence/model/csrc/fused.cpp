@@ -1,4 +1,5 @@
-// The element-wise steps between the matmuls, fused so that each reads its rows once:
+// The element-wise steps between the matmuls (residual add + RMSNorm, SiLU x up, RoPE + the
+// KV write), fused so that each reads its rows once:
 // PyTorch runs them as several ops, each a pass over memory with its own overhead, and at
 // a batch of 512 rows they cost as much as attention. Rows are independent (one thread
 // computes a whole row, the same way at any batch size), so batch invariance holds.
@@ -62,7 +63,74 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t M, int64_t I) {
   });
 }
 
+// out[d] = x[d] * cos[d] + x[(d + D/2) % D] * sin[d], sin's first half negated: HF's
+// x * cos + rotate_half(x) * sin.
+template <typename In, typename Out>
+inline void rotate(const In* x, const float* cos, const float* sin, Out* out, int64_t D) {
+  const int64_t half = D / 2;
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) store(out + d, load(x[d]) * cos[d] + load(x[d + half]) * sin[d]);
+#pragma omp simd
+  for (int64_t d = half; d < D; ++d) store(out + d, load(x[d]) * cos[d] + load(x[d - half]) * sin[d]);
+}
+
+template <typename In, typename Cache>
+void rope_rows(const In* qkv, const float* cos, const float* sin, Cache* k_cache, Cache* v_cache, const int64_t* slots,
+               float* q, int64_t M, int64_t H, int64_t KVH, int64_t D) {
+  const int64_t width = (H + 2 * KVH) * D;
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const In* row = qkv + m * width;
+      const float* c = cos + m * D;
+      const float* s = sin + m * D;
+      for (int64_t h = 0; h < H; ++h) rotate(row + h * D, c, s, q + (m * H + h) * D, D);
+      Cache* k = k_cache + slots[m] * KVH * D;
+      Cache* v = v_cache + slots[m] * KVH * D;
+      for (int64_t h = 0; h < KVH; ++h) rotate(row + (H + h) * D, c, s, k + h * D, D);
+      const In* vin = row + (H + KVH) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < KVH * D; ++d) store(v + d, load(vin[d]));
+    }
+  });
+}
+
 }  // namespace
+
+// qkv [M, (H + 2 KVH) D] (fp32 or bf16) -> RoPE'd queries [M, H, D] fp32; RoPE'd keys and the
+// values go straight into the pool (fp32 or bf16, [slots, KVH, D]) at slots[m].
+torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                            torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads) {
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [M, (H + 2 KVH) D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches: contiguous [slots, KVH, D], alike");
+  const int64_t M = qkv.size(0), KVH = k_cache.size(1), D = k_cache.size(2), H = num_heads;
+  TORCH_CHECK(qkv.size(1) == (H + 2 * KVH) * D && D % 2 == 0, "qkv: width is not (H + 2 KVH) D");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == M * D && sin.numel() == M * D, "cos, sin: fp32 [M, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == M, "slots: int64 [M]");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < k_cache.size(0), "slot outside the pool");
+  auto q = torch::empty({M, H, D}, qkv.options().dtype(torch::kFloat32));
+  auto run = [&](auto* in) {
+    if (k_cache.scalar_type() == torch::kFloat32)
+      rope_rows(in, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                slot, q.data_ptr<float>(), M, H, KVH, D);
+    else if (k_cache.scalar_type() == torch::kBFloat16)
+      rope_rows(in, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+                v_cache.data_ptr<at::BFloat16>(), slot, q.data_ptr<float>(), M, H, KVH, D);
+    else
+      TORCH_CHECK(false, "caches: fp32 or bf16");
+  };
+  if (qkv.scalar_type() == torch::kFloat32)
+    run(qkv.data_ptr<float>());
+  else if (qkv.scalar_type() == torch::kBFloat16)
+    run(qkv.data_ptr<at::BFloat16>());
+  else
+    TORCH_CHECK(false, "qkv: fp32 or bf16");
+  return q;
+}
 
 // x [M, H] fp32, updated in place to x + delta when delta is given (fp32 or bf16, [M, H]);
 // returns rms_norm(x) * weight in `out_dtype` (fp32 or bf16).
@@ -114,4 +182,5 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then rms_norm(x) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on queries and keys; keys and values written into the pool");
 }
