@@ -2,7 +2,7 @@
 import pytest
 
 from kvfence.kv.allocator import FREE, OwnershipError, PageAllocator
-from kvfence.kv.sentinel import check_block_table
+from kvfence.kv.sentinel import check_batch, check_block_table
 
 
 def granted(allocator, owner, count, written_tokens):
@@ -99,3 +99,29 @@ def test_sentinel_catches_swapped_shared_pages():
     swapped = [theirs[0], mine[1]]
     problem = check_block_table(a, 7, swapped, my_gens, 2, 8, 8)
     assert problem and "generation" in problem
+
+
+def test_sentinel_checks_a_whole_batch_at_once():
+    """One vectorized pass finds the same problems, on the same requests, as the checks one by one."""
+    a = PageAllocator(32, 4)
+    sound = []
+    for owner in (1, 2, 3):
+        pages, gens = granted(a, owner, 3, 10)
+        sound.append((owner, pages, gens, 0, 10, 11))
+    assert check_batch(a, sound) == [None, None, None]
+    assert check_batch(a, []) == []
+    mine, my_gens = granted(a, 7, 2, 8)
+    theirs, their_gens = granted(a, 8, 1, 4)
+    few, few_gens = granted(a, 9, 4, 1)
+    broken = [
+        (7, [mine[0], theirs[0]], [my_gens[0], their_gens[0]], 0, 8, 8),  # another request's page
+        (9, few, few_gens, 0, 15, 16),                                   # slots never written
+        (7, [99], [0], 0, 0, 1),                                         # outside the pool
+        (7, mine, [my_gens[0], my_gens[1] + 1], 0, 8, 8),                # a stale generation
+        (7, mine[:1], my_gens[:1], 0, 4, 5),                             # a short block table
+    ]
+    for bad in broken:
+        batch = [sound[0], bad, sound[1]]
+        problems = check_batch(a, batch)
+        assert problems[0] is None and problems[2] is None and problems[1] is not None
+        assert problems == [check_block_table(a, *entry) for entry in batch]

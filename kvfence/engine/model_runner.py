@@ -7,7 +7,7 @@ import torch
 from kvfence.engine.request import Request
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.kv.sentinel import check_block_table
+from kvfence.kv.sentinel import check_batch
 from kvfence.model.attention import AttentionMetadata, PrefillChunk
 from kvfence.model.llama import LlamaModel
 
@@ -31,9 +31,9 @@ class ModelRunner:
         if self.sentinel == "off":
             return batch, []
         allowed, failed = [], []
-        for req, n in batch:
-            problem = check_block_table(self.allocator, req.owner, req.block_table, req.page_generations,
-                                        req.num_shared_pages, req.num_computed_tokens, req.num_computed_tokens + n)
+        problems = check_batch(self.allocator, [(req.owner, req.block_table, req.page_generations, req.num_shared_pages,
+                                                 req.num_computed_tokens, req.num_computed_tokens + n) for req, n in batch])
+        for (req, n), problem in zip(batch, problems):
             if problem is None:
                 allowed.append((req, n))
                 continue

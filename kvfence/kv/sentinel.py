@@ -42,3 +42,35 @@ def check_block_table(allocator: PageAllocator, owner: int, block_table: list[in
         p = int(pages[bad[0]])
         return f"page {p} holds {int(allocator.written[p])} written slots, attention would read {int(required[bad[0]])}"
     return None
+
+
+def check_batch(allocator: PageAllocator, entries: list[tuple]) -> list[str | None]:
+    """check_block_table for every (owner, block_table, generations, num_shared, num_written,
+    num_tokens) of a step, in one vectorized pass over all their pages: called one by one, the
+    checks cost a few percent of a bf16 decode step at batch 64. Only when something is wrong
+    are the requests checked one by one, to name the problem."""
+    ps = allocator.page_size
+    pages, generations, owners, counts, shared, written = [], [], [], [], [], []
+    for owner, table, gens, num_shared, num_written, num_tokens in entries:
+        needed = -(-num_tokens // ps)
+        if len(table) < needed or len(gens) != len(table):
+            return [check_block_table(allocator, *entry) for entry in entries]
+        pages += table[:needed]
+        generations += gens[:needed]
+        owners.append(owner)
+        counts.append(needed)
+        shared.append(num_shared)
+        written.append(num_written)
+    pages, counts = np.asarray(pages, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+    index = np.arange(pages.size) - np.repeat(np.cumsum(counts) - counts, counts)  # page index in its table
+    expected_owner = np.repeat(np.asarray(owners, dtype=np.int64), counts)
+    is_shared = index < np.repeat(np.asarray(shared, dtype=np.int64), counts)
+    expected_owner[is_shared] = PREFIX_OWNER
+    required = np.clip(np.repeat(np.asarray(written, dtype=np.int64), counts) - index * ps, 0, ps)
+    if (pages.size == 0 or pages.min() >= 0 and pages.max() < allocator.num_pages) \
+            and (allocator.owner[pages] == expected_owner).all() \
+            and (allocator.refcount[pages[is_shared]] > 0).all() \
+            and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all() \
+            and (allocator.written[pages] >= required).all():
+        return [None] * len(entries)
+    return [check_block_table(allocator, *entry) for entry in entries]
