@@ -39,15 +39,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--skip-isolation", action="store_true")
     ap.add_argument("--rounds", type=int, default=5, help="isolation runs per configuration (medians)")
+    ap.add_argument("--dtype", default="auto", help="as kvfence serve --dtype: bfloat16's faster steps make the "
+                                                   "isolation's share larger")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rng = random.Random(0)
     system = [rng.randrange(100, 49152) for _ in range(args.system_tokens)]
     shared = [(system + [rng.randrange(100, 49152) for _ in range(16)], 16) for _ in range(args.requests)]
-    print(f"machine: {machine_line()}")
+    print(f"machine: {machine_line()}; --dtype {args.dtype}")
     results = {}
     for cache in (False, True):
-        llm = LLM(num_threads=args.threads, max_model_len=1024, prefix_cache=cache)
+        llm = LLM(num_threads=args.threads, max_model_len=1024, prefix_cache=cache, dtype=args.dtype)
         timed(llm, shared[:2], ["warm-up"] * 2)
         seconds, _ = timed(llm, shared, ["acme"] * len(shared))
         stats = llm.engine.prefix_cache_stats()
@@ -61,7 +63,8 @@ def main() -> None:
     work = mixed_workload(args.requests, 1, prompt=(32, 256), output=(32, 128))
     configs = {"sentinel enforce, scrub off": {}, "sentinel off": {"kv_sentinel": "off"},
                "scrub on-free": {"kv_scrub": "on-free"}}
-    engines = {label: LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=1.0, prefix_cache=False, **kw)
+    engines = {label: LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=1.0, prefix_cache=False,
+                          dtype=args.dtype, **kw)
                for label, kw in configs.items()}
     for llm in engines.values():
         timed(llm, work[:2], ["warm-up"] * 2)
