@@ -8,24 +8,10 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
-#include <cstdint>
-#include <cstring>
+
+#include "bf16.h"
 
 namespace {
-
-inline float load(float x) { return x; }
-inline float load(at::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void store(float* p, float x) { *p = x; }
-inline void store(at::BFloat16* p, float x) {  // round to nearest even; activations are finite
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  p->x = static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
 
 template <typename Delta, typename Out>
 void norm_rows(float* x, const Delta* delta, const float* weight, Out* out, int64_t M, int64_t H, float eps) {

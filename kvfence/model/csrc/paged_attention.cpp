@@ -10,26 +10,18 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
-namespace {
+#include "bf16.h"
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t bf16) {  // bf16 is the top half of an fp32
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float x;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
+namespace {
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, page_size;
 };
 
 // One request: q and out are [H, D]; its slots are read through `pages`. T is the pool's
-// element (float, or uint16_t for bf16); kD is the head dimension fixed at compile time
+// element (float or at::BFloat16); kD is the head dimension fixed at compile time
 // (the loops over it then vectorize without remainders), or 0 to take s.dim at run time.
 template <typename T, int kD>
 void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* pages, int64_t len,
@@ -59,7 +51,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* p
         const float* qh = q + h * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * widen(k[d]);
+        for (int64_t d = 0; d < D; ++d) dot += qh[d] * load(k[d]);
         scores[h * len + pos] = dot * scale;
       }
     }
@@ -86,7 +78,7 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* p
         const float w = scores[h * len + pos];
         float* oh = out + h * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oh[d] += w * widen(v[d]);
+        for (int64_t d = 0; d < D; ++d) oh[d] += w * load(v[d]);
       }
     }
   });
@@ -141,8 +133,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
     attend_all(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), table, lens, B, P, shape,
                fscale, out.data_ptr<float>());
   else
-    attend_all(q.data_ptr<float>(), reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
-               reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>()), table, lens, B, P, shape, fscale,
+    attend_all(q.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
+               v_cache.data_ptr<at::BFloat16>(), table, lens, B, P, shape, fscale,
                out.data_ptr<float>());
   return out;
 }
