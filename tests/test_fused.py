@@ -58,6 +58,18 @@ def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
     assert not caches[0][untouched].any() and not caches[1][untouched].any()
 
 
+@pytest.mark.parametrize("vocab", [49152, 1001, 7])
+def test_argmax_rows_picks_the_first_maximum_like_torch(ops, vocab):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, vocab, generator=gen)
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0    # a tie: the first one wins
+    logits[2, vocab - 1] = 60.0                            # the last column, past the vector lanes
+    logits[3] = 1.0                                        # all equal: column 0
+    logits[4, 1:] = -torch.inf
+    assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(logits).tolist()[1:4] == [vocab // 3, vocab - 1, 0]
+
+
 def test_rows_do_not_depend_on_the_batch(ops):
     gen = torch.Generator().manual_seed(2)
     x, delta, weight = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen), torch.randn(576)
@@ -77,6 +89,8 @@ def test_bad_inputs_are_refused(ops):
         ops.add_rms_norm(torch.randn(4, 8), torch.randn(4, 7), torch.randn(8), 1e-5, torch.float32)
     with pytest.raises(RuntimeError, match="gate_up"):
         ops.silu_mul(torch.randn(4, 7))
+    with pytest.raises(RuntimeError, match="logits"):
+        ops.argmax_rows(torch.randn(4, 8).bfloat16())
     cache = torch.zeros(8, 1, 4)
     qkv, cos, sin = torch.randn(2, 12), torch.randn(2, 4), torch.randn(2, 4)
     for slot in (8, -1):  # one past the pool, and negative

@@ -3,6 +3,7 @@ top-p, seeded sampling, and log-probabilities of the raw model distribution."""
 import torch
 
 from kvfence.engine.request import Request
+from kvfence.model.kernels import fused_ops
 
 
 def has_penalties(req: Request) -> bool:
@@ -35,12 +36,18 @@ def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -
     return int(torch.multinomial(probs, 1, generator=req.generator or generator))
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (its first maximum); the CPU kernel's is several times faster than torch's."""
+    ops = fused_ops(logits.device.type)
+    return (logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits.contiguous())).tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
     results = []
     plain_greedy = [req.params.greedy and not has_penalties(req) for req in requests]
     # One argmax over the whole batch instead of one per row: most requests are greedy.
-    argmax = logits.argmax(dim=-1).tolist() if any(plain_greedy) else [None] * len(requests)
+    argmax = greedy_tokens(logits) if any(plain_greedy) else [None] * len(requests)
     for row, req, plain, best in zip(logits, requests, plain_greedy, argmax):
         token = best if plain else sample_one(apply_penalties(row, req), req, generator)
         entry = None

@@ -48,12 +48,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
+    rd = meta.num_decode
+    if rd and meta.decode_kernel is not None:
+        decoded = meta.decode_kernel(q[:rd].float().contiguous(), k_cache, v_cache, meta.decode_block_table,
+                                     meta.decode_lens, meta.page_size, scale)
+        if rd == num_rows:  # a decode-only step: nothing else to fill in
+            return decoded.to(k_cache.dtype)
     out = torch.zeros_like(q, dtype=k_cache.dtype)
-    if meta.num_decode:
-        rd = meta.num_decode
+    if rd:
         if meta.decode_kernel is not None:
-            out[:rd] = meta.decode_kernel(q[:rd].float().contiguous(), k_cache, v_cache, meta.decode_block_table,
-                                          meta.decode_lens, meta.page_size, scale)
+            out[:rd] = decoded
         else:
             # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
             qd = q[:rd].float().view(rd, num_kv_heads, group, head_dim)

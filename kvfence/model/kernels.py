@@ -37,8 +37,8 @@ def decode_kernel(attention: str, device: str):
 
 
 def fused_ops(device: str):
-    """add_rms_norm and silu_mul of csrc/fused.cpp for `device`, or None (GPU, or no
-    compiler: the PyTorch ops in model/llama.py)."""
+    """The row ops of csrc/fused.cpp for `device`, or None (GPU, or no compiler: the
+    PyTorch ops in model/llama.py and torch.argmax)."""
     return None if device != "cpu" else build("fused", fast_math=True)  # fast-math vectorizes exp
 
 

@@ -62,7 +62,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.weight is None and self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
-            return self.kernel(x.float(), self.packed, self.out_features, self.bias).to(self.dtype)
+            out = self.kernel(x if x.dtype == torch.float32 else x.float(), self.packed, self.out_features, self.bias)
+            return out if self.dtype == torch.float32 else out.to(self.dtype)
         if self.onednn is not None:
             return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.onednn, self.low_bias, "none", [], "")
         return F.linear(x.to(self.dtype), self.weight, self.low_bias)
