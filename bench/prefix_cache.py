@@ -5,7 +5,9 @@
 Runs the same seeded requests (one long system prompt shared by every request of a
 tenant, a short distinct question each) through the engine with the prefix cache on and
 off, then a mixed workload with the sentinel on/off and scrubbing on/off, in alternating
-rounds; prints throughputs (medians) and ratios measured in this run.
+rounds; prints throughputs (medians) and ratios measured in this run, and the share of
+the run's wall time spent inside the sentinel's check and the scrub themselves (which a
+noisy machine blurs far less than a difference of two throughputs).
 """
 import argparse
 import random
@@ -30,6 +32,21 @@ def timed(llm: LLM, requests, tenants) -> tuple[float, int]:
     while engine.has_unfinished():
         tokens += sum(len(o.delta_token_ids) for o in engine.step())
     return time.perf_counter() - start, tokens
+
+
+def clock(obj, name: str) -> list[float]:
+    """Wraps the method obj.name so that its calls add their seconds to the returned [total]."""
+    spent, inner = [0.0], getattr(obj, name)
+
+    def timed_call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - start
+
+    setattr(obj, name, timed_call)
+    return spent
 
 
 def main() -> None:
@@ -69,16 +86,22 @@ def main() -> None:
     for llm in engines.values():
         timed(llm, work[:2], ["warm-up"] * 2)
     rates = {label: [] for label in configs}
+    wall = {label: 0.0 for label in configs}
+    in_sentinel = clock(engines["sentinel enforce, scrub off"].engine.runner, "check")
+    in_scrub = clock(engines["scrub on-free"].engine.pool, "scrub")
     # Rounds that take each configuration in turn, so drift on a shared machine hits all alike.
     for _ in range(args.rounds):
         for label, llm in engines.items():
             seconds, tokens = timed(llm, work, ["t"] * len(work))
             rates[label].append(tokens / seconds)
+            wall[label] += seconds
     base = statistics.median(rates["sentinel enforce, scrub off"])
     for label, runs in rates.items():
         tok_s = statistics.median(runs)
         print(f"{label:28} {tok_s:7.1f} output tok/s  ({tok_s / base:.3f} of the default; "
               f"runs {', '.join(f'{r:.0f}' for r in runs)})")
+    print(f"time inside the sentinel's checks: {in_sentinel[0] / wall['sentinel enforce, scrub off']:.2%} of its runs; "
+          f"inside the scrub: {in_scrub[0] / wall['scrub on-free']:.2%} of its runs")
 
 
 if __name__ == "__main__":
