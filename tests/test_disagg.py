@@ -11,7 +11,7 @@ import openai
 import pytest
 import torch
 
-from conftest import spawn_server, start_server, stop_server, wait_for_idle_pool, wait_healthy
+from conftest import metric, spawn_server, start_server, stop_server, wait_for_idle_pool, wait_healthy
 from kvfence import LLM, SamplingParams
 from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, verify
 from kvfence.kv.pool import KVPool
@@ -163,6 +163,15 @@ def test_transfer_past_its_timeout_fails_cleanly(tmp_path):
             stop_server(p)
 
 
+def kill_while_running(proc, url):
+    """SIGKILL once the worker has a request running: mid-work, however fast the machine."""
+    deadline = time.monotonic() + 60
+    while metric(url, "kvfence_requests_running") < 1:
+        assert time.monotonic() < deadline, "the worker never had a request running"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+
+
 def test_killed_decode_worker_fails_its_requests_only(tmp_path):
     procs, router, urls = start_cluster(tmp_path, [["--park-timeout", "5"]], [[], []])
     victim = procs[1]
@@ -170,7 +179,7 @@ def test_killed_decode_worker_fails_its_requests_only(tmp_path):
 
     def send(i):
         try:
-            results[i] = complete(router, f"Story number {i}: once upon a time", max_tokens=120, ignore_eos=True)
+            results[i] = complete(router, f"Story number {i}: once upon a time", max_tokens=400, ignore_eos=True)
         except httpx.HTTPError as e:
             results[i] = e
 
@@ -178,8 +187,7 @@ def test_killed_decode_worker_fails_its_requests_only(tmp_path):
         threads = [threading.Thread(target=send, args=(i,)) for i in range(6)]
         for t in threads:
             t.start()
-        time.sleep(4)
-        victim.send_signal(signal.SIGKILL)
+        kill_while_running(victim, urls["decode"][0])
         for t in threads:
             t.join(120)
         codes = [r.status_code if isinstance(r, httpx.Response) else None for r in results.values()]
@@ -202,8 +210,7 @@ def test_killed_prefill_worker_fails_its_requests_only(tmp_path):
         slow = {}
         t = threading.Thread(target=lambda: slow.update(r=complete(router, long)))
         t.start()  # round robin: this one goes to the first prefill worker
-        time.sleep(1.0)
-        procs[0].send_signal(signal.SIGKILL)
+        kill_while_running(procs[0], urls["prefill"][0])
         t.join(60)
         assert slow["r"].status_code == 502 and slow["r"].json()["error"]["code"] == "prefill_unavailable"
         ok = complete(router, "Water boils at")  # the second prefill worker
