@@ -6,6 +6,8 @@ import time
 
 import torch
 
+from kvfence import SamplingParams
+
 
 def machine_line(device: str = "cpu") -> str:
     cpu = platform.processor() or "unknown cpu"
@@ -65,3 +67,24 @@ def flops_per_token(cfg, with_lm_head: bool = True) -> float:
     per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
     total = cfg.num_layers * per_layer + (cfg.vocab_size * h if with_lm_head else 0)
     return 2.0 * total
+
+
+def run_kvfence(llm, workload) -> dict:
+    """Submits (prompt ids, output length) pairs at once (greedy, EOS ignored) and steps the
+    engine until all finish. Also times generation alone: the steps once every prompt is in."""
+    engine = llm.engine
+    for prompt, out_len in workload:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+    generated, generation_tokens, generation_s = 0, 0, 0.0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        generating = not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running)
+        t = time.perf_counter()
+        tokens = sum(len(o.delta_token_ids) for o in engine.step())
+        generated += tokens
+        if generating:
+            generation_s += time.perf_counter() - t
+            generation_tokens += tokens
+    elapsed = time.perf_counter() - start
+    return {"requests": len(workload), "output_tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed,
+            "generation_tok_s": generation_tokens / generation_s if generation_s else None}

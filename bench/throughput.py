@@ -28,21 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import flops_per_token, machine_line, matmul_peak_gflops, mixed_workload, read_bandwidth_gbs  # noqa: E402
+from common import (flops_per_token, machine_line, matmul_peak_gflops, mixed_workload,  # noqa: E402
+                    read_bandwidth_gbs, run_kvfence)
 
 from kvfence import LLM, SamplingParams  # noqa: E402
-
-
-def run_kvfence(llm: LLM, workload) -> dict:
-    engine = llm.engine
-    for prompt, out_len in workload:
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
-    t = time.perf_counter()
-    generated = 0
-    while engine.has_unfinished():
-        generated += sum(len(o.delta_token_ids) for o in engine.step())
-    elapsed = time.perf_counter() - t
-    return {"requests": len(workload), "output_tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed}
 
 
 def decode_rate(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 24) -> float:

@@ -100,7 +100,8 @@ void attend_all(const float* q, const T* k_cache, const T* v_cache, const int64_
     middle[b] = total + (lens[b] - 1) / 2;
     total += lens[b];
   }
-  at::parallel_for(0, total, 1, [&](int64_t begin, int64_t end) {
+  // No more shares than requests: a lone request runs on the calling thread.
+  at::parallel_for(0, total, (total + B - 1) / B, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t b = 0; b < B; ++b)
       if (middle[b] >= begin && middle[b] < end)
