@@ -6,8 +6,11 @@ run: B requests of 128 prompt tokens and 128 new tokens submitted at once, B = 1
 
 Build the binary from a llama.cpp tree (the one vendored in the llama-cpp-python sdist
 will do): `cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF` and
-`cmake --build build --target llama-batched-bench -j 2`. It runs the same GGUF file on the
-same number of threads, on random token ids (throughput does not depend on which ids).
+`cmake --build build --target llama-batched-bench -j 2`. Where that build dies with SIGILL
+(its -march=native ggml did on one of our VMs), put the ggml and llama libraries of an
+installed llama-cpp-python wheel first: LD_LIBRARY_PATH=VENV/lib/python3.*/site-packages/
+llama_cpp/lib (same llama.cpp version). It runs the same GGUF file on the same number of
+threads, on random token ids (throughput does not depend on which ids).
 
 Two figures per batch size for each tool: output tokens per second over the whole run,
 prefill included (B * 128 over the total time), and generation alone (llama.cpp's S_TG;
