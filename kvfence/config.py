@@ -45,14 +45,7 @@ class EngineConfig:
             raise ConfigError(
                 f"max_model_len {self.max_model_len} is over the model's {model.max_position_embeddings} "
                 f"positions: lower --max-model-len to at most {model.max_position_embeddings}")
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, not '{self.kv_cache_dtype}'")
-        if self.kv_cache_dtype == "auto":
-            self.kv_cache_dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
-        kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
-        if self.num_kv_pages is None:
-            page_bytes = kv_bytes_per_token * self.page_size
-            self.num_kv_pages = int(self.kv_memory_gib * GIB // page_bytes)
+        kv_bytes_per_token = self.size_pool(model)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs "
@@ -72,6 +65,18 @@ class EngineConfig:
             raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":
             check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, kv_bytes_per_token)
+
+    def size_pool(self, model: ModelConfig) -> int:
+        """Fills in the KV dtype `auto` stands for and the page count kv_memory_gib holds;
+        returns the KV bytes per token. `kvfence check-config` sizes the pool through this too."""
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, not '{self.kv_cache_dtype}'")
+        if self.kv_cache_dtype == "auto":  # the exact modes stay exact
+            self.kv_cache_dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
+        kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
+        if self.num_kv_pages is None:
+            self.num_kv_pages = int(self.kv_memory_gib * GIB // (kv_bytes_per_token * self.page_size))
+        return kv_bytes_per_token
 
     @property
     def kv_element_size(self) -> int:

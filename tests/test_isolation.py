@@ -201,6 +201,7 @@ def test_check_config_on_kvfence_flags(check_config):
     ["--model-config", "/no/such/config.json"],
     ["--engine", "sglang", "--", "--context-length", "1000"],          # pool sized from memory, none given
     ["--", "--num-kv-pages", "many"],
+    ["--", "--kv-cache-dtype", "fp64"],                                # a KV dtype kvfence serve refuses
 ])
 def test_check_config_rejects_malformed_input(args, check_config):
     code, out = check_config(*args)

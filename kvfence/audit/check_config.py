@@ -9,9 +9,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvfence.config import GIB, ConfigError, EngineConfig
 from kvfence.model.config import ModelConfig
 
-GIB = 1024**3
 DTYPE_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,
                "fp8_e5m2": 1, "fp32": 4, "float32": 4}
 
@@ -81,15 +81,15 @@ def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_g
     if engine == "kvfence":
         a = _parse(argv, {"--max-model-len": int, "--page-size": int, "--num-kv-pages": int, "--kv-memory-gib": float,
                           "--dtype": str, "--kv-cache-dtype": str})
-        kv_dtype = a.get("--kv-cache-dtype", "auto")
-        bf16 = kv_dtype == "bfloat16" or kv_dtype == "auto" and a.get("--dtype") == "bfloat16"
-        per_token = model.kv_bytes_per_token(2 if bf16 else 4)
+        fields = {"--page-size": "page_size", "--num-kv-pages": "num_kv_pages", "--kv-memory-gib": "kv_memory_gib",
+                  "--dtype": "dtype", "--kv-cache-dtype": "kv_cache_dtype"}
+        config = EngineConfig(**{name: a[flag] for flag, name in fields.items() if flag in a})
+        try:
+            per_token = config.size_pool(model)  # as `kvfence serve` sizes it
+        except ConfigError as e:
+            raise ConfigInputError(str(e)) from None
         context = a.get("--max-model-len", model.max_position_embeddings)
-        page = a.get("--page-size", 16)
-        if "--num-kv-pages" in a:
-            pool, estimate = a["--num-kv-pages"] * page, False
-        else:
-            pool, estimate = int(a.get("--kv-memory-gib", 2.0) * GIB // (per_token * page)) * page, False
+        pool, estimate = config.num_kv_pages * config.page_size, False
         fix_flag = "--num-kv-pages (or --kv-memory-gib)"
         context_flag = "--max-model-len"
     elif engine == "vllm":
