@@ -139,8 +139,9 @@ def workload_flops(cfg, workload) -> float:
     return prompt * flops_per_token(cfg, with_lm_head=False) + output * flops_per_token(cfg)
 
 
-def decode_fractions(llm: LLM, report: dict, peak_of) -> None:
-    """Batch-64 decode against the fp32 peak, batch-1 decode against the memory roof."""
+def decode_fractions(llm: LLM, report: dict, peak_of) -> list[float]:
+    """Batch-64 decode against the fp32 peak, batch-1 decode against the memory roof; returns
+    the peaks measured beside the batch-64 runs."""
     cfg = llm.engine.model_config
     rates, peaks = [], []
     for _ in range(3):  # medians of three, the peak re-measured beside each: both drift on a shared machine
@@ -154,6 +155,7 @@ def decode_fractions(llm: LLM, report: dict, peak_of) -> None:
     report["weight_bytes"] = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
     report["read_bandwidth_gbs"] = read_bandwidth_gbs()
     report["decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / report["weight_bytes"]
+    return peaks
 
 
 def main() -> None:
@@ -211,8 +213,7 @@ def main() -> None:
             report["rounds"].append(row)
     for name, llm in engines.items():
         report[name] = {}
-        decode_fractions(llm, report[name], peak_of)
-        peaks.append(peak_of())
+        peaks += decode_fractions(llm, report[name], peak_of)
     peak = statistics.median(peaks)
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
     if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
