@@ -65,15 +65,19 @@ def test_bfloat16_large_batches_go_to_onednn(kernel):
     assert fp32.weight is None  # fp32 runs the kernel at every batch size
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind):
-    """The kernel on a GGUF file's blocks against the kernel on gguf's own dequantized fp32."""
+@pytest.mark.parametrize("kind, magnitude, block_bytes", [
+    ("Q4_0", 0.1, 640), ("Q4_1", 0.1, 640), ("Q8_0", 0.1, 1280),
+    ("Q4_0", 5e4, 1280),  # -8 x scale overflows fp16: 8-bit codes with fp32 scales instead
+])
+def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, block_bytes):
+    """The kernel on a GGUF file's blocks against the kernel on gguf's own dequantized fp32,
+    in either packed block format."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
     qtype = GGMLQuantizationType[kind]
     gen = torch.Generator().manual_seed(2)
-    raw = quantize((torch.randn(70, 96, generator=gen) * 0.1).numpy(), qtype)
+    raw = quantize((torch.randn(70, 96, generator=gen) * magnitude).numpy(), qtype)
     reference = torch.from_numpy(dequantize(raw, qtype))
     blocks = gguf_blocks(raw, kind)
     assert blocks.shape == (70, 96 // 32 * 40) and blocks.dtype == torch.uint8
@@ -82,4 +86,5 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind):
         x = torch.randn(m, 96, generator=gen)
         assert torch.equal(kernel(x, pack(blocks), 70, bias), kernel(x, pack(reference), 70, bias))
     layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
-    assert layer.weight is None and layer.packed.shape == (3, 3, 1280)  # 1.25 bytes per weight, not 4
+    # per weight: 0.625 bytes with 4-bit codes, 1.25 with 8-bit ones; fp32 would be 4
+    assert layer.weight is None and layer.packed.shape == (3, 3, block_bytes)

@@ -12,16 +12,24 @@ ONEDNN_MIN_ROWS = 8    # bf16 only: from this many rows oneDNN's bf16 GEMM (prep
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """fp32 or bf16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
-    padded), k-major. Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) ->
-    [ceil(N/32), K/32, 1280]: per block of 32 k, the panel's 32 scales, 32 offsets, then the
-    codes k-major."""
+    padded), k-major. Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) -> per panel and
+    block of 32 k, the 32 rows' scales, their offsets, then the codes k-major:
+    [ceil(N/32), K/32, 640] with fp16 scales and two 4-bit codes a byte (row j low, row j + 16
+    high) where every code fits 4 bits and every scale fp16 (Q4_0, Q4_1 as stored), else
+    [ceil(N/32), K/32, 1280] with fp32 scales and 8-bit codes."""
     n = weight.shape[0]
     panels = F.pad(weight, (0, 0, 0, -n % PANEL)).view(-1, PANEL, *weight.shape[1:])
     if weight.dtype != torch.uint8:
         return panels.transpose(1, 2).contiguous()
     blocks = panels.view(panels.shape[0], PANEL, -1, 40).transpose(1, 2)      # [P, K/32, 32 rows, 40]
-    codes = blocks[..., 8:].transpose(2, 3).flatten(2)                           # [P, K/32, 32 k * 32 rows]
-    return torch.cat([blocks[..., :4].flatten(2), blocks[..., 4:8].flatten(2), codes], dim=2).contiguous()
+    scales = blocks[..., :8].contiguous().view(torch.float32)                   # [P, K/32, 32 rows, 2]
+    codes = blocks[..., 8:].transpose(2, 3)                                      # [P, K/32, 32 k, 32 rows]
+    if codes.max() < 16 and torch.equal(scales.half().float(), scales):
+        scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
+        codes = codes[..., :16] | codes[..., 16:] << 4
+    else:
+        scales = scales.view(torch.uint8).view(*scales.shape, 4)
+    return torch.cat([scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)], dim=2).contiguous()
 
 
 def onednn_prepacked(weight: torch.Tensor) -> torch.Tensor | None:

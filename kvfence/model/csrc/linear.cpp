@@ -3,9 +3,13 @@
 // out[m, n] = x[m] . w[n] + bias[n], fp32 activations. The weights come packed in panels
 // of 32 rows (model/linear.py packs them), so one panel is read front to back:
 //   fp32 or bf16: [N/32, K, 32]; bf16 is widened exactly to fp32.
-//   blocks:       [N/32, K/32, 1280] bytes: per 32 k, the 32 rows' scale and offset (fp32),
-//                 then 32 x 32 codes (uint8); w = fma(scale, code, offset), which is exactly
-//                 the fp32 value gguf dequantizes Q4_0, Q4_1 and Q8_0 blocks to.
+//   8-bit blocks: [N/32, K/32, 1280] bytes: per 32 k, the 32 rows' scales and offsets (fp32),
+//                 then 32 k x 32 rows of codes (uint8).
+//   4-bit blocks: [N/32, K/32, 640] bytes: per 32 k, the 32 rows' scales and offsets (fp16),
+//                 then 32 k x 16 bytes of codes: byte j holds row j's code in its low nibble,
+//                 row j + 16's in its high one.
+//                 Either way w = fma(scale, code, offset), which is exactly the fp32 value gguf
+//                 dequantizes Q4_0, Q4_1 and Q8_0 blocks to.
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
 // rows and whichever tile it falls in: a row comes out bit-identical alone and in a batch
 // of 64, and blocks give the same bits as their fp32 values. (MKL picks its kernel by row
@@ -29,7 +33,6 @@ namespace {
 constexpr int64_t kPanel = 32;  // weight rows per panel: two AVX-512 vectors of outputs
 constexpr int kRows = 12;       // activation rows per tile: 24 accumulators in registers
 constexpr int64_t kBlock = 32;  // k per block of codes
-constexpr int64_t kBlockBytes = 2 * kPanel * 4 + kBlock * kPanel;  // 32 scales, 32 offsets, codes
 constexpr int64_t kAhead = 4096;  // bytes of weights prefetched ahead of the ones being read
 
 // Asks for the cache lines of [p + kAhead, p + kAhead + bytes): prefetches never fault, so
@@ -46,6 +49,43 @@ inline __m512 widen(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// The two block formats. Pointers to them step in bytes; scales() reads a block's 32 scales
+// and offsets once, weights() decodes its k-th 32 weights (rows 0-15, 16-31) as gguf does.
+struct Scales { __m512 scale0, scale1, offset0, offset1; };
+
+struct Codes8 {
+  uint8_t byte;
+  static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel;
+  static Scales scales(const uint8_t* block) {
+    const float* s = reinterpret_cast<const float*>(block);
+    return {_mm512_loadu_ps(s), _mm512_loadu_ps(s + 16), _mm512_loadu_ps(s + 32), _mm512_loadu_ps(s + 48)};
+  }
+  static void weights(const uint8_t* block, const Scales& s, int64_t k, __m512& w0, __m512& w1) {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kPanel * 4 + k * kPanel));
+    w0 = _mm512_fmadd_ps(s.scale0, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c))), s.offset0);
+    w1 = _mm512_fmadd_ps(s.scale1, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1))), s.offset1);
+  }
+};
+
+struct Codes4 {
+  uint8_t byte;
+  static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
+  static Scales scales(const uint8_t* block) {
+    auto half = [&](int i) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block) + i)); };
+    return {half(0), half(1), half(2), half(3)};
+  }
+  static void weights(const uint8_t* block, const Scales& s, int64_t k, __m512& w0, __m512& w1) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * kPanel * 2 + k * kPanel / 2)));
+    w0 = _mm512_fmadd_ps(s.scale0, _mm512_cvtepi32_ps(_mm512_and_si512(c, _mm512_set1_epi32(15))), s.offset0);
+    w1 = _mm512_fmadd_ps(s.scale1, _mm512_cvtepi32_ps(_mm512_srli_epi32(c, 4)), s.offset1);
+  }
+};
+
+static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1);
+
+template <typename W>
+constexpr bool is_blocks = std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4>;
+
 template <int MR>
 inline void accumulate(__m512 (&acc)[MR][2], const float* x, int64_t K, int64_t k, __m512 w0, __m512 w1) {
   for (int i = 0; i < MR; ++i) {
@@ -57,41 +97,35 @@ inline void accumulate(__m512 (&acc)[MR][2], const float* x, int64_t K, int64_t 
 
 template <int MR, typename W>
 void multiply(__m512 (&acc)[MR][2], const float* x, const W* panel, int64_t K) {
-  for (int64_t k = 0; k < K; ++k) {
-    prefetch_ahead(panel + k * kPanel, kPanel * sizeof(W));
-    accumulate<MR>(acc, x, K, k, widen(panel + k * kPanel), widen(panel + k * kPanel + 16));
-  }
-}
-
-// Weights k of one block of a panel, rows 0-15 and 16-31, as gguf dequantizes them.
-inline void decode(const uint8_t* block, int64_t k, __m512& w0, __m512& w1) {
-  const float* scale = reinterpret_cast<const float*>(block);
-  const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 2 * kPanel * 4 + k * kPanel));
-  const __m512 c0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(c)));
-  const __m512 c1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(c, 1)));
-  w0 = _mm512_fmadd_ps(_mm512_loadu_ps(scale), c0, _mm512_loadu_ps(scale + 32));
-  w1 = _mm512_fmadd_ps(_mm512_loadu_ps(scale + 16), c1, _mm512_loadu_ps(scale + 48));
-}
-
-template <int MR>
-void multiply(__m512 (&acc)[MR][2], const float* x, const uint8_t* panel, int64_t K) {
-  __m512 w0, w1;
-  for (int64_t k0 = 0; k0 < K; k0 += kBlock, panel += kBlockBytes) {
-    prefetch_ahead(panel, kBlockBytes);
-    for (int64_t k = 0; k < kBlock; ++k) {
-      decode(panel, k, w0, w1);
-      accumulate<MR>(acc, x, K, k0 + k, w0, w1);
+  if constexpr (is_blocks<W>) {
+    const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
+    for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
+      prefetch_ahead(block, W::kBytes);
+      const Scales s = W::scales(block);
+      for (int64_t k = 0; k < kBlock; ++k) {
+        __m512 w0, w1;
+        W::weights(block, s, k, w0, w1);
+        accumulate<MR>(acc, x, K, k0 + k, w0, w1);
+      }
+    }
+  } else {
+    for (int64_t k = 0; k < K; ++k) {
+      prefetch_ahead(panel + k * kPanel, kPanel * sizeof(W));
+      accumulate<MR>(acc, x, K, k, widen(panel + k * kPanel), widen(panel + k * kPanel + 16));
     }
   }
 }
 
 // A panel of blocks decoded to the fp32 panel layout, for several row tiles to share.
-void decode_panel(const uint8_t* panel, float* out, int64_t K) {
-  for (int64_t k0 = 0; k0 < K; k0 += kBlock, panel += kBlockBytes) {
-    prefetch_ahead(panel, kBlockBytes);
+template <typename W>
+void decode_panel(const W* panel, float* out, int64_t K) {
+  const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
+    prefetch_ahead(block, W::kBytes);
+    const Scales s = W::scales(block);
     for (int64_t k = 0; k < kBlock; ++k, out += kPanel) {
       __m512 w0, w1;
-      decode(panel, k, w0, w1);
+      W::weights(block, s, k, w0, w1);
       _mm512_storeu_ps(out, w0);
       _mm512_storeu_ps(out + 16, w1);
     }
@@ -137,7 +171,7 @@ void run(const float* x, const W* w, int64_t panel_size, const float* bias, floa
               x + m * K, panel, bias ? bias + n : nullptr, out + m * N + n, K, N, cols);
         }
       };
-      if constexpr (std::is_same_v<W, uint8_t>) {
+      if constexpr (is_blocks<W>) {
         if (M > kRows) {  // decode once, not once per row tile: same weights, same bits
           decoded.resize(K * kPanel);
           decode_panel(w + p * panel_size, decoded.data(), K);
@@ -162,9 +196,10 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   const bool blocks = packed.scalar_type() == torch::kUInt8;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel,
               "weights: one panel per 32 rows, contiguous");
-  TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock && packed.size(2) == kBlockBytes
+  TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock &&
+                           (packed.size(2) == Codes8::kBytes || packed.size(2) == Codes4::kBytes)
                      : packed.size(1) == K && packed.size(2) == kPanel,
-              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280] (blocks) for this K");
+              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280 or 640] (blocks) for this K");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias: [N] fp32");
@@ -178,8 +213,12 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (packed.scalar_type() == torch::kBFloat16)
     run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
+  else if (blocks && packed.size(2) == Codes8::kBytes)
+    run(xc.data_ptr<float>(), reinterpret_cast<const Codes8*>(packed.data_ptr<uint8_t>()), panel_size, b,
+        out.data_ptr<float>(), M, N, K);
   else if (blocks)
-    run(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), panel_size, b, out.data_ptr<float>(), M, N, K);
+    run(xc.data_ptr<float>(), reinterpret_cast<const Codes4*>(packed.data_ptr<uint8_t>()), panel_size, b,
+        out.data_ptr<float>(), M, N, K);
   else
     TORCH_CHECK(false, "weights: fp32, bf16 or blocks (uint8)");
   return out;
