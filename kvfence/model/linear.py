@@ -46,7 +46,7 @@ class Linear:
     """With the CPU kernel, fp32 layers run through it at every batch size, which makes each
     row's result independent of the batch (invariant 10) and streams the weights at memory
     speed for a single request. GGUF blocks (uint8 weights) run through it too, with the
-    same bits as fp32 from a third of the bytes. bf16 layers use it for small
+    same bits as fp32 from a sixth (4-bit) or a third (8-bit) of the bytes. bf16 layers use it for small
     batches only and keep a oneDNN layout (AMX), which is far faster on large ones; bf16 is
     not batch invariant. Without the kernel (GPU, no compiler, no AVX-512): torch's matmul."""
 
