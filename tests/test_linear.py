@@ -5,7 +5,7 @@ import torch
 
 from kvfence.model.kernels import linear_kernel
 from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, pack
-from kvfence.model.loader import gguf_blocks
+from kvfence.model.loader import blocks_to_float, gguf_blocks
 
 
 @pytest.fixture(scope="module")
@@ -81,10 +81,38 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, b
     reference = torch.from_numpy(dequantize(raw, qtype))
     blocks = gguf_blocks(raw, kind)
     assert blocks.shape == (70, 96 // 32 * 40) and blocks.dtype == torch.uint8
+    assert torch.equal(blocks_to_float(blocks), reference)
     bias = torch.randn(70, generator=gen)
     for m in (1, 7, 12, 40):
         x = torch.randn(m, 96, generator=gen)
         assert torch.equal(kernel(x, pack(blocks), 70, bias), kernel(x, pack(reference), 70, bias))
+    with pytest.raises(RuntimeError, match="weights"):  # blocks packed for another K
+        kernel(torch.randn(2, 64), pack(blocks), 70, None)
     layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
     # per weight: 0.625 bytes with 4-bit codes, 1.25 with 8-bit ones; fp32 would be 4
     assert layer.weight is None and layer.packed.shape == (3, 3, block_bytes)
+
+
+def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
+    """Given blocks, a bf16 layer's kernel path reads them (the exact weights, fewer bytes than
+    bf16) and oneDNN gets them rounded to bf16."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    gen = torch.Generator().manual_seed(3)
+    raw = quantize((torch.randn(64, 96, generator=gen) * 0.1).numpy(), GGMLQuantizationType.Q4_1)
+    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
+    bias = torch.randn(64, generator=gen)
+    layer = Linear(gguf_blocks(raw, "Q4_1"), bias, torch.bfloat16, torch.device("cpu"), kernel)
+    assert layer.packed.dtype == torch.uint8 and layer.onednn.is_mkldnn
+    for m in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 100):
+        x = torch.randn(m, 96, generator=gen)
+        out = layer(x)
+        assert out.dtype == torch.bfloat16
+        on_blocks = kernel(x, pack(exact), 64, bias).bfloat16()
+        if m < ONEDNN_MIN_ROWS:
+            assert torch.equal(out, on_blocks)
+        else:  # oneDNN: x and the weights rounded to bf16
+            assert not torch.equal(out, on_blocks)
+            reference = (x.double() @ exact.bfloat16().double().T + bias.double()).bfloat16()
+            assert (out.float() - reference.float()).abs().max() < 0.3

@@ -95,6 +95,7 @@ def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference):
               dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.layers[0].qkv.dtype == model.lm_head.dtype == llm.engine.pool.k.dtype == torch.bfloat16
+    assert model.layers[0].qkv.packed.dtype == torch.uint8  # below 8 rows: the file's blocks
     prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=1.0)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
@@ -122,11 +123,12 @@ def test_chat_answers_like_the_reference(real_llm):
 
 
 def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):
-    """The default (auto) reads the file's Q4_1/Q8_0 blocks, a third of the fp32 bytes, yet
+    """The default (auto) reads the file's Q4_1/Q8_0 blocks, a fifth of the fp32 bytes, yet
     every logprob equals the float32 engine's, in batches of mixed prompts."""
     assert real_llm.engine.config.dtype == "gguf"
     model = real_llm.engine.runner.model
     assert model.layers[0].qkv.packed.dtype == model.lm_head.packed.dtype == torch.uint8
+    assert model.layers[0].qkv.packed.shape[2] == 640 and model.lm_head.packed.shape[2] == 1280  # 4-bit, 8-bit
     fp32 = LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024, dtype="float32")
     assert fp32.engine.runner.model.layers[0].qkv.packed.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)

@@ -33,11 +33,12 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
-        # auto: gguf where it runs, the same results as float32 from a sixth to a third of the bytes
-        if config.dtype == "auto":
-            usable = config.device == "cpu" and has_gguf_blocks(self.model_path) and linear_kernel("cpu") is not None
-            config.dtype = "gguf" if usable else "float32"
-        model_config, weights = load_model(self.model_path, progress=progress, keep_blocks=config.dtype == "gguf")
+        blocks_run = config.device == "cpu" and has_gguf_blocks(self.model_path) and linear_kernel("cpu") is not None
+        if config.dtype == "auto":  # gguf where it runs: the same results as float32 from a sixth to a third of the bytes
+            config.dtype = "gguf" if blocks_run else "float32"
+        # bf16 keeps the blocks too where they run, for the small batches that the kernel serves
+        keep_blocks = config.dtype == "gguf" or config.dtype == "bfloat16" and blocks_run
+        model_config, weights = load_model(self.model_path, progress=progress, keep_blocks=keep_blocks)
         config.resolve(model_config)
         if config.inject_fault == faults.LEGACY_REJECT_PATH:
             faults.warn_at_start()

@@ -6,6 +6,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from kvfence.model.loader import blocks_to_float
+
 PANEL = 32             # weight rows per panel of csrc/linear.cpp
 ONEDNN_MIN_ROWS = 8    # bf16 only: from this many rows oneDNN's bf16 GEMM (prepacked) beats the kernel
 
@@ -46,9 +48,11 @@ class Linear:
     """With the CPU kernel, fp32 layers run through it at every batch size, which makes each
     row's result independent of the batch (invariant 10) and streams the weights at memory
     speed for a single request. GGUF blocks (uint8 weights) run through it too, with the
-    same bits as fp32 from a sixth (4-bit) or a third (8-bit) of the bytes. bf16 layers use it for small
-    batches only and keep a oneDNN layout (AMX), which is far faster on large ones; bf16 is
-    not batch invariant. Without the kernel (GPU, no compiler, no AVX-512): torch's matmul."""
+    same bits as fp32 from a sixth (4-bit) or a third (8-bit) of the bytes. bf16 layers use
+    it for small batches only, on the GGUF blocks where they are given (fewer bytes than
+    bf16, and the exact weights), and keep a oneDNN layout (AMX), which is far faster on
+    large ones; bf16 is not batch invariant. Without the kernel (GPU, no compiler, no
+    AVX-512): torch's matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
                  kernel: Callable | None):
@@ -59,10 +63,11 @@ class Linear:
         if blocks and kernel is None:
             raise RuntimeError("GGUF blocks run only through the CPU linear kernel, which is unavailable here "
                                "(see the warning above): use --dtype float32, which gives the same results")
-        w = weight.to(device) if blocks else weight.to(device, dtype)
-        self.packed = None if kernel is None else pack(w)
-        self.weight = None if kernel is not None and (blocks or dtype == torch.float32) else w
-        self.onednn = None if self.weight is None or dtype != torch.bfloat16 else onednn_prepacked(w)
+        self.packed = None if kernel is None else pack(weight.to(device) if blocks else weight.to(device, dtype))
+        self.weight = None  # torch's or oneDNN's GEMM: without the kernel, or in bf16
+        if kernel is None or dtype == torch.bfloat16:
+            self.weight = (blocks_to_float(weight) if blocks else weight).to(device, dtype)
+        self.onednn = None if self.weight is None or dtype != torch.bfloat16 else onednn_prepacked(self.weight)
         if self.onednn is not None:
             self.weight = None
         self.bias = None if bias is None else bias.to(device, torch.float32)

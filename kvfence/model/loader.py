@@ -171,6 +171,14 @@ def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
     return torch.from_numpy(blocks.reshape(data.shape[0], -1))
 
 
+def blocks_to_float(blocks: torch.Tensor) -> torch.Tensor:
+    """gguf_blocks' rows back to fp32 weights: scale * code is exact, so the one rounding of
+    the add gives the values gguf dequantizes to."""
+    b = blocks.view(blocks.shape[0], -1, 40)
+    scale, offset = b[..., 0:4].contiguous().view(torch.float32), b[..., 4:8].contiguous().view(torch.float32)
+    return (scale * b[..., 8:].float() + offset).flatten(1)
+
+
 def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
     """The output layer's name and the tensors of every linear layer, output layer included."""
     head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
