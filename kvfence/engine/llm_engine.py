@@ -33,7 +33,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
-        blocks_run = config.device == "cpu" and has_gguf_blocks(self.model_path) and linear_kernel("cpu") is not None
+        blocks_run = (config.dtype in ("auto", "bfloat16") and config.device == "cpu"
+                      and has_gguf_blocks(self.model_path) and linear_kernel("cpu") is not None)
         if config.dtype == "auto":  # gguf where it runs: the same results as float32 from a sixth to a third of the bytes
             config.dtype = "gguf" if blocks_run else "float32"
         # bf16 keeps the blocks too where they run, for the small batches that the kernel serves
