@@ -44,20 +44,28 @@ def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype):
     assert paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125).dtype == cache_dtype
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
-def test_kernel_runs_every_request_however_the_threads_split_the_batch(kernel, threads):
-    """The threads share out the batch's positions, not its requests: a long request among
-    short ones, or a share that holds no request's middle, still leaves none out."""
-    lengths = [200, 1, 1, 3, 90, 1, 17]
-    q, k, v, table, lens = random_batch(lengths, num_pages=80)
+def run_with_threads(kernel, threads, *args):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        ours = kernel(q, k, v, table, lens, 5, 0.125)
+        return kernel(*args)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_kernel_runs_every_request_however_the_threads_split_the_batch(kernel, threads):
+    """The threads share out the batch's positions times its KV heads, not its requests: a
+    long request among short ones, or a share that holds no task's middle, still leaves none
+    out. Each request's result is the same bits alone, in the batch, and on any thread count."""
+    lengths = [200, 1, 1, 3, 90, 1, 17]
+    q, k, v, table, lens = random_batch(lengths, num_pages=80)
+    ours = run_with_threads(kernel, threads, q, k, v, table, lens, 5, 0.125)
     ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+    for i in (0, 4):
+        alone = run_with_threads(kernel, 2, q[i:i + 1], k, v, table[i:i + 1], lens[i:i + 1], 5, 0.125)
+        assert torch.equal(alone[0], ours[i])
 
 
 def test_kernel_reads_only_its_own_pages(kernel):

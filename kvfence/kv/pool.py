@@ -19,6 +19,8 @@ class KVPool:
         shape = (config.num_layers, slots, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Each layer's (K, V) views, made once: indexing the pool per layer and step costs a dispatch each.
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.scratch_slot = num_pages * page_size
 
     @property

@@ -50,10 +50,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = num_heads // num_kv_heads
     rd = meta.num_decode
     if rd and meta.decode_kernel is not None:
-        decoded = meta.decode_kernel(q[:rd].float().contiguous(), k_cache, v_cache, meta.decode_block_table,
+        qd = q if rd == num_rows else q[:rd]
+        decoded = meta.decode_kernel(qd.float().contiguous(), k_cache, v_cache, meta.decode_block_table,
                                      meta.decode_lens, meta.page_size, scale)
         if rd == num_rows:  # a decode-only step: nothing else to fill in
-            return decoded.to(k_cache.dtype)
+            return decoded if decoded.dtype == k_cache.dtype else decoded.to(k_cache.dtype)
     out = torch.zeros_like(q, dtype=k_cache.dtype)
     if rd:
         if meta.decode_kernel is not None:

@@ -94,10 +94,10 @@ class LlamaModel:
         cos, sin = self.rope(positions)
         x = self.embed[input_ids]  # the fp32 residual stream; each layer's output is added in the next norm
         delta = None
-        for i, layer in enumerate(self.layers):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
             h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
-            q = ops.rope_write_kv(layer.qkv(h), cos, sin, kv.k[i], kv.v[i], meta.slot_mapping, cfg.num_heads)
-            attn = paged_attention(q, kv.k[i], kv.v[i], meta, self.scale)
+            q = ops.rope_write_kv(layer.qkv(h), cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.num_heads)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
             h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         x = ops.add_rms_norm(x[sample_rows], delta[sample_rows], self.final_norm, eps, self.dtype)

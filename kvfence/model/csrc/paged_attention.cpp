@@ -20,15 +20,18 @@ struct Shape {
   int64_t heads, kv_heads, group, dim, page_size;
 };
 
-// One request: q and out are [H, D]; its slots are read through `pages`. T is the pool's
-// element (float or at::BFloat16); kD is the head dimension fixed at compile time
-// (the loops over it then vectorize without remainders), or 0 to take s.dim at run time.
+// One KV head of one request: q and out are the [G, D] query heads that share it; its slots
+// are read through `pages`. T is the pool's element (float or at::BFloat16); kD is the head
+// dimension fixed at compile time (the loops over it then vectorize without remainders), or 0
+// to take s.dim at run time.
 template <typename T, int kD>
-void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* pages, int64_t len,
+void attend(const float* q, const T* k_cache, const T* v_cache, int64_t kv_head, const int64_t* pages, int64_t len,
             const Shape& s, float scale, float* out, std::vector<float>& scores) {
   const int64_t D = kD ? kD : s.dim, G = s.group, row = s.kv_heads * D;
-  // Calls fn(slot row, position) for each of the request's slots in `cache`, page by page.
+  // Calls fn(this head's D elements of a slot, position) for each of the request's slots in
+  // `cache`, page by page.
   auto for_each_slot = [&](const T* cache, auto&& fn) {
+    cache += kv_head * D;
     for (int64_t start = 0; start < len; start += s.page_size) {
       const T* page = cache + pages[start / s.page_size] * s.page_size * row;
       const int64_t n = std::min(s.page_size, len - start);
@@ -36,76 +39,70 @@ void attend(const float* q, const T* k_cache, const T* v_cache, const int64_t* p
       const T* next = start + s.page_size < len ? cache + pages[start / s.page_size + 1] * s.page_size * row : nullptr;
       for (int64_t i = 0; i < n; ++i) {
         if (next)
-          for (int64_t c = 0; c < row; c += 64 / sizeof(T)) __builtin_prefetch(next + i * row + c);
+          for (int64_t c = 0; c < D; c += 64 / sizeof(T)) __builtin_prefetch(next + i * row + c);
         fn(page + i * row, start + i);
       }
     }
   };
-  scores.resize(s.heads * len);
-  // Each K head is loaded once for the G query heads that share it.
-  for_each_slot(k_cache, [&](const T* slot, int64_t pos) {
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-      const T* k = slot + kh * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const float* qh = q + h * D;
-        float dot = 0.f;
+  scores.resize(G * len);
+  // Each K row is loaded once for the G query heads that share it.
+  for_each_slot(k_cache, [&](const T* k, int64_t pos) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qh[d] * load(k[d]);
-        scores[h * len + pos] = dot * scale;
-      }
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * load(k[d]);
+      scores[g * len + pos] = dot * scale;
     }
   });
-  for (int64_t h = 0; h < s.heads; ++h) {
-    float* sh = scores.data() + h * len;
-    const float m = *std::max_element(sh, sh + len);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * len;
+    const float m = *std::max_element(sg, sg + len);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t pos = 0; pos < len; ++pos) {
-      sh[pos] = std::exp(sh[pos] - m);
-      sum += sh[pos];
+      sg[pos] = std::exp(sg[pos] - m);
+      sum += sg[pos];
     }
     const float inv = 1.f / sum;
 #pragma omp simd
-    for (int64_t pos = 0; pos < len; ++pos) sh[pos] *= inv;
+    for (int64_t pos = 0; pos < len; ++pos) sg[pos] *= inv;
   }
-  std::fill(out, out + s.heads * D, 0.f);
-  for_each_slot(v_cache, [&](const T* slot, int64_t pos) {
-    for (int64_t kh = 0; kh < s.kv_heads; ++kh) {
-      const T* v = slot + kh * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t h = kh * G + g;
-        const float w = scores[h * len + pos];
-        float* oh = out + h * D;
+  std::fill(out, out + G * D, 0.f);
+  for_each_slot(v_cache, [&](const T* v, int64_t pos) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = scores[g * len + pos];
+      float* og = out + g * D;
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) oh[d] += w * load(v[d]);
-      }
+      for (int64_t d = 0; d < D; ++d) og[d] += w * load(v[d]);
     }
   });
 }
 
-// Runs every request of the batch, each whole on one thread: a slot's K (or V) row holds
-// every KV head side by side, so a task that takes all heads reads whole contiguous rows and
-// no cache line twice. The threads split the batch's positions, not its requests: lengths in
-// a decode batch vary several-fold, and an even split of requests left one thread about 10%
-// more to read. A request goes to the thread whose share holds its middle position.
+// Runs every (request, KV head) of the batch, each whole on one thread, so that a result
+// depends on neither the batch nor the thread count. The threads split the batch's positions
+// times its KV heads, not its requests: lengths in a decode batch vary several-fold, an even
+// split of requests left one thread about 10% more to read, and a lone request still gets
+// more than one thread. A task goes to the thread whose share holds its middle position.
 template <typename T>
 void attend_all(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
                 int64_t B, int64_t P, const Shape& s, float scale, float* out) {
   const auto run = s.dim == 64 ? attend<T, 64> : s.dim == 128 ? attend<T, 128> : attend<T, 0>;
-  const int64_t stride = s.heads * s.dim;
-  std::vector<int64_t> middle(B);
+  const int64_t tasks = B * s.kv_heads, group_size = s.group * s.dim;
+  std::vector<int64_t> middle(tasks);
   int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    middle[b] = total + (lens[b] - 1) / 2;
-    total += lens[b];
+  for (int64_t t = 0; t < tasks; ++t) {
+    const int64_t len = lens[t / s.kv_heads];
+    middle[t] = total + (len - 1) / 2;
+    total += len;
   }
-  // No more shares than requests: a lone request runs on the calling thread.
-  at::parallel_for(0, total, (total + B - 1) / B, [&](int64_t begin, int64_t end) {
+  // No more shares than tasks.
+  at::parallel_for(0, total, (total + tasks - 1) / tasks, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
-    for (int64_t b = 0; b < B; ++b)
-      if (middle[b] >= begin && middle[b] < end)
-        run(q + b * stride, k_cache, v_cache, tables + b * P, lens[b], s, scale, out + b * stride, scores);
+    for (int64_t t = 0; t < tasks; ++t)
+      if (middle[t] >= begin && middle[t] < end)
+        run(q + t * group_size, k_cache, v_cache, t % s.kv_heads, tables + (t / s.kv_heads) * P, lens[t / s.kv_heads],
+            s, scale, out + t * group_size, scores);
   });
 }
 
