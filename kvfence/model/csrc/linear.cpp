@@ -13,9 +13,10 @@
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
 // rows and whichever tile it falls in: a row comes out bit-identical alone and in a batch
 // of 64, and blocks give the same bits as their fp32 values. (MKL picks its kernel by row
-// count, which breaks that below 4 rows.) At one row the kernel streams the weights once,
-// at memory speed: software prefetch a few KB ahead took it from about half the measured
-// read bandwidth to 80-90% here. Built without -ffast-math so the sums keep their order.
+// count, which breaks that below 4 rows.) At one row the kernel streams the weights once:
+// fp32 and 8-bit weights at memory speed (software prefetch a few KB ahead took fp32 from
+// about half the measured read bandwidth to 80-90% here); 4-bit blocks are bound by the
+// instructions that decode them instead. Built without -ffast-math so the sums keep their order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
