@@ -78,12 +78,27 @@ def assert_pool_empty(engine):
 TENANT_KEYS = {"sk-alice-0123456789": "alice", "sk-bob-9876543210": "bob"}
 
 
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
+    """A free port below Linux's ephemeral range (32768 up): the workers' own listeners (NIXL's
+    UCX, ZMQ) bind ephemeral ports, and one once took a port picked there before its server
+    had bound it. Never the same port twice in one test run."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        port = random.randrange(20000, 32768)
+        if port in _ports_given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _ports_given.add(port)
+        return port
 
 
 def spawn_server(tmp_path, *args):
