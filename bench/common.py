@@ -49,14 +49,17 @@ def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32, de
     return best
 
 
-def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10) -> float:
+def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10, device: str = "cpu") -> float:
     """GB/s of streaming a tensor far larger than the caches once (a sum over it), median."""
-    x = torch.ones(megabytes * 2**20 // 4)
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     x.sum()
     times = []
     for _ in range(repeats):
+        sync()
         t = time.perf_counter()
         x.sum()
+        sync()
         times.append(time.perf_counter() - t)
     return x.numel() * 4 / statistics.median(times) / 1e9
 

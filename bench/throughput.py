@@ -153,7 +153,7 @@ def decode_fractions(llm: LLM, report: dict, peak_of) -> list[float]:
     model = llm.engine.runner.model
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
     report["weight_bytes"] = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
-    report["read_bandwidth_gbs"] = read_bandwidth_gbs()
+    report["read_bandwidth_gbs"] = read_bandwidth_gbs(device=llm.engine.config.device)
     report["decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / report["weight_bytes"]
     return peaks
 
@@ -211,6 +211,9 @@ def main() -> None:
                         for b in args.hf_batch_sizes.split(",")]
                 row["transformers"] = {"mixed": max(runs, key=lambda r: r["tok_s"]), "all_batch_sizes": runs}
             report["rounds"].append(row)
+            print(f"round {len(report['rounds'])}: " + "; ".join(  # a run cut short still shows its rounds
+                f"{tool} {w} {r['tok_s']:.1f}" for tool, runs in row.items() for w, r in runs.items() if w in workloads),
+                flush=True)
     for name, llm in engines.items():
         report[name] = {}
         peaks += decode_fractions(llm, report[name], peak_of)

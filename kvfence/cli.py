@@ -17,6 +17,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: launch every kernel of a decode step from Python instead of replaying CUDA graphs")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     g.add_argument("--kv-sentinel", choices=["off", "log", "enforce"], default="enforce",
                    help="check KV page ownership before every step")
@@ -43,7 +45,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, page_size=args.page_size,
         num_kv_pages=args.num_kv_pages, kv_memory_gib=args.kv_memory_gib, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, num_threads=args.threads,
+        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, enforce_eager=args.enforce_eager, num_threads=args.threads,
         kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, dtype=args.dtype,
         kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
         inject_fault=args.inject_fault, seed=args.seed)

@@ -23,6 +23,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     device: str = "cpu"
+    enforce_eager: bool = False        # GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
     num_threads: int | None = None
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free

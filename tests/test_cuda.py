@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from conftest import assert_pool_empty
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
 
@@ -21,8 +22,9 @@ def test_unknown_device_refused():
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cuda_matches_cpu(real_llm, dtype):
-    gpu = LLM(device="cuda", dtype=dtype, max_model_len=1024, num_kv_pages=2000)
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_cuda_matches_cpu(real_llm, dtype, eager):
+    gpu = LLM(device="cuda", dtype=dtype, max_model_len=1024, num_kv_pages=2000, enforce_eager=eager)
     assert gpu.engine.pool.k.is_cuda and gpu.engine.runner.model.layers[0].qkv.weight.is_cuda
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -36,4 +38,6 @@ def test_cuda_matches_cpu(real_llm, dtype):
     answer = gpu.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=20))[0].outputs[0].text
     assert answer == "The capital of France is Paris."
-    assert gpu.engine.allocator.num_used == 0
+    assert_pool_empty(gpu.engine)
+    assert (gpu.engine.runner.graphs is None) == eager
+    assert eager or gpu.engine.runner.graphs.graphs, "decode steps replay captured graphs"

@@ -1,10 +1,14 @@
 """Admission, scheduling, preemption, abort and pool accounting on a tiny model."""
+import json
+import shutil
+
 import pytest
 import torch
 
 from conftest import assert_pool_empty
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError, EngineConfig
+from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import RequestState
 from kvfence.engine.sampling_params import InvalidRequest
@@ -93,6 +97,25 @@ def test_default_max_tokens_fills_the_context(tiny_llama_dir):
     assert len(out.token_ids) == 38 and out.finish_reason == "length"
 
 
+def test_generation_stops_at_the_eos_ids_the_model_declares(tiny_llama_dir, tmp_path):
+    """config.json's and generation_config.json's eos ids stop a request, whatever the
+    tokenizer calls its eos."""
+    prompt = list(range(10, 30))
+    free = tiny_engine(tiny_llama_dir)
+    (req,) = free.add_request(prompt, SamplingParams(max_tokens=8, **GREEDY))
+    tokens = run_all(free)[(req.parent_id, 0)].token_ids
+    stop_at = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])
+    model = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps(config | {"eos_token_id": 99}))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[stop_at]]}))
+    engine = tiny_engine(model)
+    assert engine.eos_token_ids == {tokens[stop_at], 99} and engine.tokenizer.eos_token_id not in engine.eos_token_ids
+    (req,) = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0))
+    out = run_all(engine)[(req.parent_id, 0)]
+    assert out.token_ids == tokens[:stop_at + 1] and out.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("params, field", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=2.5), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(n=100), "n"),
@@ -153,6 +176,27 @@ def test_abort_at_any_time_frees_every_page(tiny_llama_dir):
     finished = run_all(engine)
     assert [k[0] for k in finished] == [ids[2]]
     assert_pool_empty(engine)
+
+
+def test_decode_graph_buckets_change_no_token(tiny_llama_dir):
+    """The CUDA graphs' padded buckets (extra rows on the scratch slot, extra block-table
+    columns of scratch pages), run eagerly here: every logprob is the same bits as without."""
+    params = SamplingParams(max_tokens=12, logprobs=0, **GREEDY)
+    prompts = [list(range(10, 10 + n)) for n in (3, 9, 17, 30, 5)]
+    results = []
+    for graphs in (False, True):
+        engine = tiny_engine(tiny_llama_dir)
+        if graphs:
+            r = engine.runner
+            r.graphs = DecodeGraphs(r.model, engine.pool, 8, 128 // 4, r.decode_kernel, capture=False)
+        reqs = [engine.add_request(p, params)[0] for p in prompts]
+        done = run_all(engine)
+        results.append([(done[(q.parent_id, 0)].token_ids, [e["logprob"] for e in done[(q.parent_id, 0)].logprobs])
+                        for q in reqs])
+        assert_pool_empty(engine)
+    assert results[0] == results[1]
+    # Five requests decode in a bucket of 8 rows, block tables of 8 to 11 pages in buckets of 8 and 16.
+    assert 8 in {rows for rows, _ in r.graphs.graphs} and {8, 16} <= {p for _, p in r.graphs.graphs}
 
 
 def test_mixed_workload_returns_pool_to_baseline(tiny_llama_dir):

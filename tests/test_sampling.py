@@ -30,7 +30,8 @@ def test_top_k_one_is_greedy(real_llm):
 def test_max_tokens_and_ignore_eos(real_llm):
     out = one(real_llm, "Say yes.", temperature=0, max_tokens=40, ignore_eos=True)[0]
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
-    eos = real_llm.tokenizer.eos_token_id
+    eos = 2  # <|im_end|>, the GGUF file's tokenizer.ggml.eos_token_id
+    assert real_llm.engine.eos_token_ids == {eos}
     stopped = one(real_llm, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n",
                   temperature=0, max_tokens=40)[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos

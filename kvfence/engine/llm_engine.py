@@ -8,6 +8,7 @@ import torch
 
 from kvfence import faults
 from kvfence.config import EngineConfig
+from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, RequestState
@@ -47,7 +48,7 @@ class LLMEngine:
             faults.log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", config.inject_fault)
         self.model_config = model_config
         self.tokenizer = load_tokenizer(self.model_path)
-        self.eos_token_ids = {t for t in [self.tokenizer.eos_token_id] if t is not None}
+        self.eos_token_ids = set(model_config.eos_token_ids) or {t for t in [self.tokenizer.eos_token_id] if t is not None}
         self.max_model_len = config.max_model_len
         self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device,
                            getattr(torch, config.kv_cache_dtype))
@@ -56,8 +57,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
         model = LlamaModel(model_config, weights, config.device, torch.bfloat16 if config.dtype == "bfloat16" else torch.float32)
-        self.runner = ModelRunner(model, self.pool, self.allocator,
-                                  config.kv_sentinel, decode_kernel(config.attention, config.device))
+        kernel = decode_kernel(config.attention, config.device)
+        graphs = None
+        if config.device != "cpu" and not config.enforce_eager:
+            graphs = DecodeGraphs(model, self.pool, config.max_num_seqs, -(-config.max_model_len // config.page_size))
+        self.runner = ModelRunner(model, self.pool, self.allocator, config.kv_sentinel, kernel, graphs)
         self.generator = torch.Generator().manual_seed(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.parked: dict[str, Request] = {}     # prefilled, pages held for a decode worker to pull

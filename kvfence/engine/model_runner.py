@@ -4,6 +4,7 @@ from typing import Callable
 
 import torch
 
+from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.request import Request
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
@@ -16,9 +17,10 @@ log = logging.getLogger("kvfence.sentinel")
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str,
-                 decode_kernel: Callable | None = None):
+                 decode_kernel: Callable | None = None, graphs: DecodeGraphs | None = None):
         self.model = model
         self.decode_kernel = decode_kernel
+        self.graphs = graphs
         self.pool = pool
         self.allocator = allocator
         self.sentinel = sentinel
@@ -68,17 +70,21 @@ class ModelRunner:
                 positions.append(pos)
                 slots.append(req.block_table[pos // ps] * ps + pos % ps)
             self.mark_written(req, start, start + n)
-        num_real = len(ids)
-        pad = max(0, self.min_rows - num_real)
-        ids += [0] * pad
-        positions += [0] * pad
-        slots += [self.pool.scratch_slot] * pad
-
         block_table = lengths = None
         if decodes:
             lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
             width = -(-max(lengths) // ps)
             block_table = [(r.block_table + [scratch_page] * width)[:width] for r, _ in decodes]
+        # A decode-only step where every row is sampled is what the graphs replay.
+        if self.graphs is not None and not prefills and all(
+                r.num_computed_tokens + 1 == r.num_tokens and not r.prefill_only for r, _ in decodes):
+            logits = self.graphs.run(ids, positions, slots, block_table, lengths)
+            return logits.float().cpu(), [r for r, _ in decodes]
+        num_real = len(ids)
+        pad = max(0, self.min_rows - num_real)
+        ids += [0] * pad
+        positions += [0] * pad
+        slots += [self.pool.scratch_slot] * pad
         chunks = []
         row = len(decodes)
         for req, n in prefills:

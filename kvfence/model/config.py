@@ -17,6 +17,9 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    # End-of-sequence ids the model file declares; empty: the tokenizer's eos is used. Read
+    # from the file because tokenizer converters have been seen to get it wrong.
+    eos_token_ids: tuple[int, ...] = ()
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """K and V for every layer, `element_size` bytes a value."""

@@ -148,6 +148,8 @@ def gguf_model_config(reader) -> ModelConfig:
         max_position_embeddings=int(field(f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        eos_token_ids=tuple(int(reader.fields[k].contents()) for k in
+                            ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in reader.fields),
     )
 
 
@@ -247,7 +249,13 @@ _HF_LAYER_NAMES = {
 }
 
 
-def hf_model_config(raw: dict) -> ModelConfig:
+def _ids(value) -> tuple[int, ...]:
+    """An eos_token_id entry of config.json (an int, a list or null) as a tuple."""
+    return tuple(value) if isinstance(value, list) else () if value is None else (value,)
+
+
+def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
+    """`generation`: generation_config.json, whose eos_token_id adds to config.json's."""
     archs = raw.get("architectures") or []
     if not SUPPORTED_HF_ARCHITECTURES.intersection(archs):
         raise ModelLoadError(
@@ -272,13 +280,16 @@ def hf_model_config(raw: dict) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", "Qwen2ForCausalLM" in archs),
+        eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id")))),
     )
 
 
 def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
     from safetensors.torch import load_file
 
-    config = hf_model_config(json.loads((path / "config.json").read_text()))
+    generation = path / "generation_config.json"
+    config = hf_model_config(json.loads((path / "config.json").read_text()),
+                             json.loads(generation.read_text()) if generation.is_file() else None)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")
