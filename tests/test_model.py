@@ -82,6 +82,26 @@ def test_tiny_model_logits_match_transformers(arch, kv_cache_dtype, atol, attent
     compare_batched(llm, hf, prompts, max_tokens=6, atol=atol)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16"])
+def test_decode_layers_in_one_call_give_the_python_loops_bits(arch, kv_cache_dtype, request):
+    """Where every kernel is at hand, a decode step's layers run in one C++ call (fused.cpp's
+    decode_layers); every logprob equals the per-layer Python loop's (Qwen2: with qkv bias)."""
+    path = request.getfixturevalue(f"tiny_{arch}_dir")
+    llm = LLM(str(path), page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8,
+              kv_cache_dtype=kv_cache_dtype, prefix_cache=False)
+    model = llm.engine.runner.model
+    one_call, calls = model.decode_layers, []
+    assert one_call is not None
+    model.decode_layers = lambda *args: calls.append(len(args[1])) or one_call(*args)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
+    prompts = ["hello", "a longer prompt that will need several chunks of prefill to get through", "x y z w"]
+    fused = [o.outputs[0].logprobs for o in llm.generate(prompts, params)]
+    assert calls and set(calls) == {7 * len(model.layers)}
+    model.decode_layers = None
+    assert fused == [o.outputs[0].logprobs for o in llm.generate(prompts, params)]
+
+
 def test_default_model_logits_match_transformers(hf_reference):
     llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2)
     prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]  # 6, ~60 and ~20 tokens: chunked, 7 never divides

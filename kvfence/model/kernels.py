@@ -42,6 +42,18 @@ def fused_ops(device: str):
     return None if device != "cpu" else build("fused", fast_math=True)  # fast-math vectorizes exp
 
 
+def decode_layers(device: str):
+    """fused.cpp's decode_layers bound to the linear and attention kernels it calls: a decode
+    step's layers in one call from Python. None on a GPU or where a kernel is missing."""
+    if device != "cpu":
+        return None
+    modules = build("fused", fast_math=True), build("linear", fast_math=False), build("paged_attention", fast_math=True)
+    if None in modules:
+        return None
+    fused, linear, attention = modules
+    return functools.partial(fused.decode_layers, linear.packed_linear_fn, attention.paged_decode_attention_fn)
+
+
 def linear_kernel(device: str):
     """The packed linear kernel for `device`, or None (GPU, or no kernel: torch's matmul)."""
     if device != "cpu":

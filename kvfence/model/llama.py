@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
-from kvfence.model.kernels import fused_ops, linear_kernel
+from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel
 from kvfence.model.linear import Linear
 from kvfence.model.loader import Weights
 
@@ -73,6 +73,15 @@ class LlamaModel:
                              lin(w.down)) for w in weights.layers]
         self.final_norm = fp32(weights.final_norm)
         self.lm_head = lin(weights.lm_head)
+        # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call.
+        self.decode_layers = decode_layers(self.device.type) if kernel is not None and dtype == torch.float32 else None
+        if self.decode_layers is not None:
+            no_bias = torch.empty(0)
+            self.layer_tensors = [t for layer in self.layers for t in (
+                layer.attn_norm, layer.qkv.packed, no_bias if layer.qkv.bias is None else layer.qkv.bias,
+                layer.o.packed, layer.ffn_norm, layer.gate_up.packed, layer.down.packed)]
+            self.out_features = [lin.out_features for lin in (self.layers[0].qkv, self.layers[0].o,
+                                                                self.layers[0].gate_up, self.layers[0].down)]
         d = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
         self.scale = d ** -0.5
@@ -94,11 +103,16 @@ class LlamaModel:
         cos, sin = self.rope(positions)
         x = self.embed[input_ids]  # the fp32 residual stream; each layer's output is added in the next norm
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
-            h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
-            q = ops.rope_write_kv(layer.qkv(h), cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.num_heads)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
-            h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+        if self.decode_layers is not None and meta.decode_kernel is not None and meta.num_decode == num_rows:
+            delta = self.decode_layers(x, self.layer_tensors, self.out_features, kv.layers, cos, sin, meta.slot_mapping,
+                                       meta.decode_block_table, meta.decode_lens, meta.page_size, self.scale, eps,
+                                       cfg.num_heads)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
+                h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
+                q = ops.rope_write_kv(layer.qkv(h), cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.num_heads)
+                attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+                h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
+                delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         x = ops.add_rms_norm(x[sample_rows], delta[sample_rows], self.final_norm, eps, self.dtype)
         return self.lm_head(x)

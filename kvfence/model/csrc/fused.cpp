@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
 
 #include "bf16.h"
 
@@ -204,7 +207,54 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+using LinearFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, int64_t,
+                                   const c10::optional<torch::Tensor>&);
+using AttentionFn = torch::Tensor (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                                      const torch::Tensor&, const torch::Tensor&, int64_t, double);
+
+template <typename Fn>
+Fn function_of(const py::capsule& capsule, const char* name) {
+  TORCH_CHECK(capsule.name() && std::string(capsule.name()) == name, "expected the capsule ", name);
+  return reinterpret_cast<Fn>(capsule.get_pointer());
+}
+
+// The layers of a decode-only step with fp32 linear layers: the kernel calls of
+// LlamaModel.forward's loop, in the same order on the same tensors (so the same bits), in
+// one call from Python instead of nine per layer. The linear and attention kernels live in
+// their own modules (built with other flags) and are reached through the function
+// pointers they export. `layers` holds 7 tensors per layer: attn_norm, packed qkv, qkv
+// bias (empty: none), packed o, ffn_norm, packed gate_up, packed down; `out_features` the
+// four linear widths. x [B, hidden] is updated in place; returns the last layer's delta.
+torch::Tensor decode_layers(const py::capsule& linear_fn, const py::capsule& attention_fn, torch::Tensor x,
+                            const std::vector<torch::Tensor>& layers, const std::vector<int64_t>& out_features,
+                            const std::vector<std::tuple<torch::Tensor, torch::Tensor>>& kv_layers,
+                            const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
+                            const torch::Tensor& block_tables, const torch::Tensor& lengths, int64_t page_size,
+                            double scale, double eps, int64_t num_heads) {
+  const auto linear = function_of<LinearFn>(linear_fn, "kvfence.packed_linear");
+  const auto attention = function_of<AttentionFn>(attention_fn, "kvfence.paged_decode_attention");
+  TORCH_CHECK(layers.size() == 7 * kv_layers.size() && out_features.size() == 4, "7 tensors per layer, 4 widths");
+  const int64_t B = x.size(0);
+  const c10::optional<torch::Tensor> none;
+  c10::optional<torch::Tensor> delta;
+  for (size_t l = 0; l < kv_layers.size(); ++l) {
+    const torch::Tensor* w = &layers[7 * l];
+    const auto& [k_cache, v_cache] = kv_layers[l];
+    const c10::optional<torch::Tensor> qkv_bias = w[2].numel() ? c10::optional<torch::Tensor>(w[2]) : none;
+    auto h = add_rms_norm(x, delta, w[0], eps, torch::kFloat32);
+    auto q = rope_write_kv(linear(h, w[1], out_features[0], qkv_bias), cos, sin, k_cache, v_cache, slots, num_heads);
+    auto attn = attention(q, k_cache, v_cache, block_tables, lengths, page_size, scale);
+    if (k_cache.scalar_type() != torch::kFloat32)  // the Python path hands the pool's dtype on
+      attn = attn.to(k_cache.scalar_type()).to(torch::kFloat32);
+    h = add_rms_norm(x, linear(attn.view({B, -1}), w[3], out_features[1], none), w[4], eps, torch::kFloat32);
+    delta = linear(silu_mul(linear(h, w[5], out_features[2], none)), w[6], out_features[3], none);
+  }
+  TORCH_CHECK(delta.has_value(), "no layers");
+  return *delta;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_layers", &decode_layers, "a decode-only step's layers with fp32 linear kernels, in one call");
   m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax(dim=-1))");
   m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then rms_norm(x) * weight");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");

@@ -230,4 +230,6 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others");
+  // For fused.cpp's decode_layers, which calls it without going through Python.
+  m.attr("packed_linear_fn") = py::capsule(reinterpret_cast<void*>(&packed_linear), "kvfence.packed_linear");
 }

@@ -148,4 +148,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  // For fused.cpp's decode_layers, which calls it without going through Python.
+  m.attr("paged_decode_attention_fn") =
+      py::capsule(reinterpret_cast<void*>(&paged_decode_attention), "kvfence.paged_decode_attention");
 }
