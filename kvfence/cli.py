@@ -45,9 +45,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, max_model_len=args.max_model_len, page_size=args.page_size,
         num_kv_pages=args.num_kv_pages, kv_memory_gib=args.kv_memory_gib, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, enforce_eager=args.enforce_eager, num_threads=args.threads,
-        kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention, dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
+        max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, enforce_eager=args.enforce_eager,
+        num_threads=args.threads, kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention,
+        dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
         inject_fault=args.inject_fault, seed=args.seed)
 
 
