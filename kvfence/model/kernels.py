@@ -6,9 +6,12 @@ from pathlib import Path
 
 log = logging.getLogger("kvfence.kernels")
 
+# -ffast-math lets exp and the reductions vectorize; the linear kernel's sums must keep their order.
+FAST_MATH = {"fused": True, "linear": False, "paged_attention": True}
+
 
 @functools.cache
-def build(name: str, fast_math: bool):
+def build(name: str):
     """The compiled module csrc/{name}.cpp, or None where it cannot be built (no C++
     compiler, no ninja, no AVX-512 for `linear`); the callers then fall back to PyTorch."""
     try:
@@ -17,7 +20,7 @@ def build(name: str, fast_math: bool):
 
         # torch looks for ninja on PATH, which an unactivated virtualenv lacks.
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if fast_math else [])
+        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if FAST_MATH[name] else [])
         return load(name=f"kvfence_{name}", sources=[str(Path(__file__).parent / "csrc" / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the PyTorch path
@@ -30,7 +33,7 @@ def decode_kernel(attention: str, device: str):
     PyTorch path (gathers pages: correct but slower)."""
     if attention == "torch" or device != "cpu":
         return None
-    module = build("paged_attention", fast_math=True)  # fast-math lets exp and the reductions vectorize
+    module = build("paged_attention")
     if module is None and attention == "kernel":
         raise RuntimeError("--attention kernel was asked for but the kernel did not build (see the warning above)")
     return None if module is None else module.paged_decode_attention
@@ -39,7 +42,7 @@ def decode_kernel(attention: str, device: str):
 def fused_ops(device: str):
     """The row ops of csrc/fused.cpp for `device`, or None (GPU, or no compiler: the
     PyTorch ops in model/llama.py and torch.argmax)."""
-    return None if device != "cpu" else build("fused", fast_math=True)  # fast-math vectorizes exp
+    return None if device != "cpu" else build("fused")
 
 
 def decode_layers(device: str):
@@ -47,7 +50,7 @@ def decode_layers(device: str):
     step's layers in one call from Python. None on a GPU or where a kernel is missing."""
     if device != "cpu":
         return None
-    modules = build("fused", fast_math=True), build("linear", fast_math=False), build("paged_attention", fast_math=True)
+    modules = build("fused"), build("linear"), build("paged_attention")
     if None in modules:
         return None
     fused, linear, attention = modules
@@ -58,5 +61,5 @@ def linear_kernel(device: str):
     """The packed linear kernel for `device`, or None (GPU, or no kernel: torch's matmul)."""
     if device != "cpu":
         return None
-    module = build("linear", fast_math=False)  # the sums must keep their order
+    module = build("linear")
     return None if module is None else module.packed_linear
