@@ -28,9 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "or pages gathered in PyTorch (any device); auto picks the kernel where it builds")
     g.add_argument("--dtype", choices=["auto", "float32", "gguf", "bfloat16"], default="auto",
                    help="linear weights: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks and gives the same results "
-                        "as float32 from a sixth to a third of the bytes (CPU with AVX-512); auto takes gguf where it "
-                        "runs, else float32; bfloat16 is 2-3x faster at large batches where the CPU has AVX-512 BF16 or "
-                        "AMX, but not batch invariant and not bit-equal to float32 (see README)")
+                        "as float32 from a sixth to a third of the bytes (CPU with AVX-512 or AVX2); auto takes gguf where "
+                        "it runs, else float32; bfloat16 halves the KV pool and is 2-3x faster at large batches where "
+                        "the CPU has AVX-512 BF16 or AMX, but is not bit-equal to float32 (see README)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "
                         "stays fp32); auto takes bfloat16 with --dtype bfloat16, else float32. Disaggregated "

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvfence.model.kernels import linear_kernel
-from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, pack
+from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_prepacked, pack
 from kvfence.model.loader import blocks_to_float, gguf_blocks
 
 
@@ -36,6 +36,21 @@ def test_rows_do_not_depend_on_the_batch(kernel):
         assert torch.equal(kernel(x[start:start + rows], pack(w), 300, None), full[start:start + rows])
 
 
+def test_each_output_is_one_multiply_add_chain_in_k_order(kernel):
+    """The bits every CPU must give, AVX-512 or AVX2, any batch: acc = fma(x[k], w[k], acc) for
+    k = 0..K-1, then + bias. An fma in fp32 is the fp64 product (exact) plus acc, rounded once
+    to fp32 (the fp64 sum's own rounding could only matter at an exact fp32 midpoint)."""
+    gen = torch.Generator().manual_seed(4)
+    m, n, k = 7, 45, 96
+    x, w, bias = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+    acc = torch.zeros(m, n)
+    for i in range(k):
+        acc = (x[:, i, None].double() * w[None, :, i].double() + acc.double()).float()
+    for rows in (1, 2, 3, 5, 7):
+        assert torch.equal(kernel(x[:rows], pack(w), n, bias), acc[:rows] + bias)
+    assert not torch.equal(kernel(x, pack(w), n, bias), (x.double() @ w.double().T).float() + bias)  # order matters
+
+
 def test_refuses_mismatched_weights(kernel):
     w = pack(torch.randn(64, 32))
     with pytest.raises(RuntimeError, match="weights"):
@@ -46,17 +61,24 @@ def test_refuses_mismatched_weights(kernel):
         kernel(torch.randn(2, 32), w, 64, torch.randn(63))
 
 
-def test_bfloat16_large_batches_go_to_onednn(kernel):
-    """bf16 keeps two layouts: the kernel's below ONEDNN_MIN_ROWS rows, oneDNN's prepacked one above."""
+# Where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), bf16 layers hand it large batches; elsewhere
+# (AVX2) the kernel runs them all.
+HAS_ONEDNN_BF16 = onednn_prepacked(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None
+
+
+def test_bfloat16_large_batches_go_to_onednn_where_it_has_bf16(kernel):
+    """bf16 keeps two layouts where oneDNN has bf16: the kernel's below ONEDNN_MIN_ROWS rows,
+    oneDNN's prepacked one above. Elsewhere, the kernel's alone, at every batch size."""
     gen = torch.Generator().manual_seed(1)
     w, bias = torch.randn(64, 96, generator=gen), torch.randn(64, generator=gen)
     layer = Linear(w, bias, torch.bfloat16, torch.device("cpu"), kernel)
-    assert layer.weight is None and layer.onednn.is_mkldnn and layer.packed.dtype == torch.bfloat16
+    assert layer.weight is None and layer.packed.dtype == torch.bfloat16
+    assert (layer.onednn is not None) == HAS_ONEDNN_BF16
     for m in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 100):
         x = torch.randn(m, 96, generator=gen)
         out = layer(x)
         assert out.dtype == torch.bfloat16
-        if m < ONEDNN_MIN_ROWS:  # the kernel keeps x in fp32 and rounds only its result
+        if m < ONEDNN_MIN_ROWS or not HAS_ONEDNN_BF16:  # the kernel keeps x in fp32 and rounds only its result
             assert torch.equal(out, kernel(x, layer.packed, 64, layer.bias).bfloat16())
         else:  # oneDNN rounds x to bf16 first
             exact = (x.double() @ w.bfloat16().double().T + bias.double()).bfloat16()
@@ -95,7 +117,7 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, b
 
 def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
     """Given blocks, a bf16 layer's kernel path reads them (the exact weights, fewer bytes than
-    bf16) and oneDNN gets them rounded to bf16."""
+    bf16) and oneDNN, where it has bf16, gets them rounded to bf16."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
@@ -104,13 +126,13 @@ def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
     exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
     bias = torch.randn(64, generator=gen)
     layer = Linear(gguf_blocks(raw, "Q4_1"), bias, torch.bfloat16, torch.device("cpu"), kernel)
-    assert layer.packed.dtype == torch.uint8 and layer.onednn.is_mkldnn
+    assert layer.packed.dtype == torch.uint8 and (layer.onednn is not None) == HAS_ONEDNN_BF16
     for m in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 100):
         x = torch.randn(m, 96, generator=gen)
         out = layer(x)
         assert out.dtype == torch.bfloat16
         on_blocks = kernel(x, pack(exact), 64, bias).bfloat16()
-        if m < ONEDNN_MIN_ROWS:
+        if m < ONEDNN_MIN_ROWS or not HAS_ONEDNN_BF16:
             assert torch.equal(out, on_blocks)
         else:  # oneDNN: x and the weights rounded to bf16
             assert not torch.equal(out, on_blocks)

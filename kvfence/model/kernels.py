@@ -13,7 +13,7 @@ FAST_MATH = {"fused": True, "linear": False, "paged_attention": True}
 @functools.cache
 def build(name: str):
     """The compiled module csrc/{name}.cpp, or None where it cannot be built (no C++
-    compiler, no ninja, no AVX-512 for `linear`); the callers then fall back to PyTorch."""
+    compiler, no ninja, neither AVX-512 nor AVX2 with FMA for `linear`); the callers then fall back to PyTorch."""
     try:
         import ninja
         from torch.utils.cpp_extension import load

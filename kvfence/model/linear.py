@@ -49,10 +49,11 @@ class Linear:
     row's result independent of the batch (invariant 10) and streams the weights at memory
     speed for a single request. GGUF blocks (uint8 weights) run through it too, with the
     same bits as fp32 from a sixth (4-bit) or a third (8-bit) of the bytes. bf16 layers use
-    it for small batches only, on the GGUF blocks where they are given (fewer bytes than
-    bf16, and the exact weights), and keep a oneDNN layout (AMX), which is far faster on
-    large ones; bf16 is not batch invariant. Without the kernel (GPU, no compiler, no
-    AVX-512): torch's matmul."""
+    it on the GGUF blocks where they are given (fewer bytes than bf16, and the exact
+    weights); where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), which is far faster on large
+    batches, they keep its layout too and use the kernel for small batches only, and are then
+    not batch invariant. Without the kernel (GPU, no compiler, neither AVX-512 nor AVX2):
+    torch's matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
                  kernel: Callable | None):
@@ -64,17 +65,14 @@ class Linear:
             raise RuntimeError("GGUF blocks run only through the CPU linear kernel, which is unavailable here "
                                "(see the warning above): use --dtype float32, which gives the same results")
         self.packed = None if kernel is None else pack(weight.to(device) if blocks else weight.to(device, dtype))
-        self.weight = None  # torch's or oneDNN's GEMM: without the kernel, or in bf16
-        if kernel is None or dtype == torch.bfloat16:
-            self.weight = (blocks_to_float(weight) if blocks else weight).to(device, dtype)
-        self.onednn = None if self.weight is None or dtype != torch.bfloat16 else onednn_prepacked(self.weight)
-        if self.onednn is not None:
-            self.weight = None
+        unpacked = lambda: (blocks_to_float(weight) if blocks else weight).to(device, dtype)  # noqa: E731
+        self.onednn = onednn_prepacked(unpacked()) if kernel is not None and dtype == torch.bfloat16 else None
+        self.weight = None if kernel is not None else unpacked()  # torch's GEMM
         self.bias = None if bias is None else bias.to(device, torch.float32)
         self.low_bias = None if bias is None else bias.to(device, dtype)  # for torch's and oneDNN's GEMMs
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and (self.weight is None and self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
+        if self.packed is not None and (self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
             out = self.kernel(x if x.dtype == torch.float32 else x.float(), self.packed, self.out_features, self.bias)
             return out if self.dtype == torch.float32 else out.to(self.dtype)
         if self.onednn is not None:

@@ -53,8 +53,8 @@ class Layer:
 class LlamaModel:
     """Norms, RoPE, the residual stream and decode attention math run in fp32; the linear
     layers in `dtype` (fp32 by default; bfloat16 halves weight traffic and, where oneDNN has
-    AVX-512 BF16 or AMX, roughly triples large-batch matmul speed, at the cost of batch
-    invariance and of bit-equality with fp32). In bf16 the tensors between a linear layer and
+    AVX-512 BF16 or AMX, roughly triples large-batch matmul speed, at the cost there of batch
+    invariance, and always of bit-equality with fp32). In bf16 the tensors between a linear layer and
     the next (SwiGLU, attention output) stay bf16. See model/linear.py for which kernel runs
     when."""
 
