@@ -12,8 +12,6 @@ request's output length (EOS ignored), on the same threads for both. See
 bench/peer_protocol.py for the protocol.
 """
 import argparse
-import json
-import time
 
 from peer_protocol import serve
 
@@ -37,13 +35,9 @@ def main() -> None:
     args = ap.parse_args()
     import llama_cpp
 
-    t = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
-                          n_threads_batch=args.threads, verbose=False)
-    startup = time.perf_counter() - t
-    generate(llm, json.load(open(args.workload))["mixed"][:1])  # warm-up
-    serve(lambda workload: generate(llm, workload), args.workload,
-          {"name": f"llama-cpp-python {llama_cpp.__version__}", "startup_s": startup})
+    serve(lambda: llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
+                                  n_threads_batch=args.threads, verbose=False),
+          generate, args.workload, f"llama-cpp-python {llama_cpp.__version__}")
 
 
 if __name__ == "__main__":

@@ -18,17 +18,21 @@ def reply(obj: dict) -> None:
     print(RESULT_PREFIX + json.dumps(obj), flush=True)
 
 
-def timed(generate, workload) -> dict:
-    """Runs generate(workload), which returns the number of output tokens; its throughput."""
+def timed(run) -> tuple[object, float]:
     t = time.perf_counter()
-    tokens = generate(workload)
-    elapsed = time.perf_counter() - t
-    return {"requests": len(workload), "output_tokens": tokens, "seconds": elapsed, "tok_s": tokens / elapsed}
+    result = run()
+    return result, time.perf_counter() - t
 
 
-def serve(generate, workload_file: str, info: dict) -> None:
-    """Replies `info` (ready), then runs each workload named on stdin through generate."""
+def serve(start, generate, workload_file: str, name: str) -> None:
+    """Starts the engine (start() returns it) and warms it up on one request; replies ready
+    with its start-up time; then runs each workload named on stdin through
+    generate(engine, workload), which returns the number of output tokens."""
     workloads = json.load(open(workload_file))
-    reply(info)
+    engine, startup = timed(start)
+    generate(engine, workloads["mixed"][:1])
+    reply({"name": name, "startup_s": startup})
     for line in sys.stdin:
-        reply(timed(generate, workloads[line.strip()]))
+        workload = workloads[line.strip()]
+        tokens, seconds = timed(lambda: generate(engine, workload))
+        reply({"requests": len(workload), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds})

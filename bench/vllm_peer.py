@@ -16,9 +16,7 @@ submitted at once (greedy, EOS ignored): see bench/peer_protocol.py. Both cores 
 the CPU has AMX). An idle vLLM stops spinning after a second.
 """
 import argparse
-import json
 import os
-import time
 
 from peer_protocol import serve
 
@@ -46,12 +44,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     import vllm
 
-    t = time.perf_counter()
-    llm = vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs, seed=0)
-    startup = time.perf_counter() - t
-    generate(llm, json.load(open(args.workload))["mixed"][:2])  # warm-up
-    serve(lambda workload: generate(llm, workload), args.workload,
-          {"name": f"vllm {vllm.__version__} cpu {args.dtype}", "startup_s": startup})
+    serve(lambda: vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs,
+                           seed=0),
+          generate, args.workload, f"vllm {vllm.__version__} cpu {args.dtype}")
 
 
 if __name__ == "__main__":
