@@ -11,9 +11,7 @@ so the requests of a workload run one after another: prefill, then greedy tokens
 request's output length (EOS ignored), on the same threads for both. See
 bench/peer_protocol.py for the protocol.
 """
-import argparse
-
-from peer_protocol import serve
+from peer_protocol import arguments, serve
 
 
 def generate(llm, workload) -> int:
@@ -27,10 +25,7 @@ def generate(llm, workload) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="the GGUF file")
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = arguments(__doc__, "the GGUF file")
     ap.add_argument("--max-model-len", type=int, default=1024)
     args = ap.parse_args()
     import llama_cpp

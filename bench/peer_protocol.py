@@ -7,6 +7,7 @@ a workload of the JSON file it was given ({"mixed": [[prompt token ids, output l
 ...}), and the peer prints that run's result. Every reply is one stdout line: RESULT_PREFIX
 and a JSON object (engines log on stdout too).
 """
+import argparse
 import json
 import sys
 import time
@@ -18,6 +19,15 @@ def reply(obj: dict) -> None:
     print(RESULT_PREFIX + json.dumps(obj), flush=True)
 
 
+def arguments(doc: str, model_help: str) -> argparse.ArgumentParser:
+    """The arguments every peer takes; a peer adds its own."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help=model_help)
+    ap.add_argument("--workload", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    return ap
+
+
 def timed(run) -> tuple[object, float]:
     t = time.perf_counter()
     result = run()
@@ -26,12 +36,12 @@ def timed(run) -> tuple[object, float]:
 
 def serve(start, generate, workload_file: str, name: str) -> None:
     """Starts the engine (start() returns it) and warms it up on one request; replies ready
-    with its start-up time; then runs each workload named on stdin through
+    with its start-up time and the names of its workloads; then runs each workload named on stdin through
     generate(engine, workload), which returns the number of output tokens."""
     workloads = json.load(open(workload_file))
     engine, startup = timed(start)
     generate(engine, workloads["mixed"][:1])
-    reply({"name": name, "startup_s": startup})
+    reply({"name": name, "startup_s": startup, "workloads": list(workloads)})
     for line in sys.stdin:
         workload = workloads[line.strip()]
         tokens, seconds = timed(lambda: generate(engine, workload))

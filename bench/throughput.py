@@ -91,12 +91,12 @@ def save_safetensors(model, directory: Path) -> None:
 
 class Peer:
     """A peer engine in its own virtualenv (bench/peer_protocol.py), started once; runs the
-    workloads in `names` when asked."""
+    workloads of its file when asked."""
 
-    def __init__(self, python: str, script: str, args: list[str], names: list[str]):
+    def __init__(self, python: str, script: str, args: list[str]):
         from peer_protocol import RESULT_PREFIX
 
-        self.prefix, self.names = RESULT_PREFIX, names
+        self.prefix = RESULT_PREFIX
         self.proc = subprocess.Popen([python, str(Path(__file__).parent / script), *args],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.info = self.result()  # waits for start-up
@@ -131,13 +131,12 @@ def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> di
         for dtype in args.vllm_dtypes.split(","):
             peers[f"vllm-{dtype}"] = Peer(args.vllm_python, "vllm_peer.py", [
                 "--model", str(tmp / "model"), "--workload", str(tmp / "workload.json"), "--threads", str(args.threads),
-                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype], list(workloads))
+                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype])
             stack.callback(peers[f"vllm-{dtype}"].close)
     if args.llamacpp_python:
         (tmp / "serial.json").write_text(json.dumps({"mixed": workloads["mixed"][:args.llamacpp_requests]}))
         peers["llama-cpp-python"] = Peer(args.llamacpp_python, "llamacpp_peer.py", [
-            "--model", str(model_path), "--workload", str(tmp / "serial.json"), "--threads", str(args.threads)],
-            ["mixed"])
+            "--model", str(model_path), "--workload", str(tmp / "serial.json"), "--threads", str(args.threads)])
         stack.callback(peers["llama-cpp-python"].close)
     return peers
 
@@ -219,7 +218,7 @@ def main() -> None:
         # all of them alike, and each round gives its own ratios.
         for _ in range(args.rounds):
             row = {name: {w: run_kvfence(llm, items) for w, items in workloads.items()} for name, llm in engines.items()}
-            row.update({name: {w: peer.run(w) for w in peer.names} for name, peer in peers.items()})
+            row.update({name: {w: peer.run(w) for w in peer.info["workloads"]} for name, peer in peers.items()})
             if hf is not None:
                 runs = [run_transformers(hf, workloads["mixed"][:args.hf_requests], int(b), args.device)
                         for b in args.hf_batch_sizes.split(",")]

@@ -15,10 +15,9 @@ submitted at once (greedy, EOS ignored): see bench/peer_protocol.py. Both cores 
 (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU default, fast where
 the CPU has AMX). An idle vLLM stops spinning after a second.
 """
-import argparse
 import os
 
-from peer_protocol import serve
+from peer_protocol import arguments, serve
 
 
 def generate(llm, workload) -> int:
@@ -31,10 +30,7 @@ def generate(llm, workload) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="a Hugging Face safetensors directory")
-    ap.add_argument("--workload", required=True)
-    ap.add_argument("--threads", type=int, default=2)
+    ap = arguments(__doc__, "a Hugging Face safetensors directory")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-gib", default="3", help="VLLM_CPU_KVCACHE_SPACE, as kvfence's bench pool")
