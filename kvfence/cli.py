@@ -4,7 +4,7 @@ import json
 import logging
 import sys
 
-from kvfence.config import ConfigError, EngineConfig
+from kvfence.config import DTYPES, ConfigError, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -26,10 +26,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention", choices=["auto", "kernel", "torch"], default="auto",
                    help="decode attention: the C++ kernel reading the pool in place (CPU, built on first use), "
                         "or pages gathered in PyTorch (any device); auto picks the kernel where it builds")
-    g.add_argument("--dtype", choices=["auto", "float32", "gguf", "bfloat16"], default="auto",
+    g.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="linear weights: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks and gives the same results "
                         "as float32 from a sixth to a third of the bytes (CPU with AVX-512 or AVX2); auto takes gguf where "
-                        "it runs, else float32; bfloat16 halves the KV pool and is 2-3x faster at large batches where "
+                        "it runs, else float32; gguf-int8 also rounds activations to 8 bits and multiplies on "
+                        "integers, as llama.cpp does: faster, but not bit-equal to float32 (see README); bfloat16 halves the KV pool and is 2-3x faster at large batches where "
                         "the CPU has AVX-512 BF16 or AMX, but is not bit-equal to float32 (see README)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "

@@ -7,6 +7,7 @@ import torch
 from kvfence.model.config import ModelConfig
 
 GIB = 1024**3
+DTYPES = ("auto", "float32", "gguf", "gguf-int8", "bfloat16")  # the linear layers' weights (model/linear.py)
 
 
 class ConfigError(ValueError):
@@ -28,7 +29,7 @@ class EngineConfig:
     kv_sentinel: str = "enforce"       # off | log | enforce
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
-    dtype: str = "auto"                # linear weights: auto | float32 | gguf | bfloat16 (see model/linear.py)
+    dtype: str = "auto"                # linear weights: auto | float32 | gguf | gguf-int8 | bfloat16 (model/linear.py)
     kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16, else float32) | float32 | bfloat16
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
@@ -57,11 +58,11 @@ class EngineConfig:
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
         if self.attention not in ("auto", "kernel", "torch"):
             raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
-        if self.dtype not in ("auto", "float32", "gguf", "bfloat16"):
-            raise ConfigError(f"dtype must be auto, float32, gguf or bfloat16, not '{self.dtype}'")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not '{self.dtype}'")
         check_device(self.device)
-        if self.dtype == "gguf" and self.device != "cpu":
-            raise ConfigError("--dtype gguf runs on the CPU only: use --dtype float32 or bfloat16 on a GPU")
+        if self.dtype.startswith("gguf") and self.device != "cpu":
+            raise ConfigError(f"--dtype {self.dtype} runs on the CPU only: use --dtype float32 or bfloat16 on a GPU")
         if self.attention == "kernel" and self.device != "cpu":
             raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
         if self.inject_fault != "legacy-reject-path":

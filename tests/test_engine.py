@@ -49,7 +49,7 @@ def test_start_refused_when_pool_smaller_than_context(tiny_llama_dir):
 
 
 def test_unknown_dtype_refused(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="dtype must be auto, float32, gguf or bfloat16, not 'float16'"):
+    with pytest.raises(ConfigError, match="dtype must be one of auto, float32, gguf, gguf-int8, bfloat16, not 'float16'"):
         tiny_engine(tiny_llama_dir, dtype="float16")
 
 

@@ -1,10 +1,10 @@
 """The packed linear kernel (csrc/linear.cpp): exact sums, rows independent of the batch,
-GGUF blocks giving the bits of their fp32 values."""
+GGUF blocks giving the bits of their fp32 values; and its 8-bit-activation mode."""
 import pytest
 import torch
 
 from kvfence.model.kernels import linear_kernel
-from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_prepacked, pack
+from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_prepacked, pack, pack_for_int8
 from kvfence.model.loader import blocks_to_float, gguf_blocks
 
 
@@ -87,6 +87,16 @@ def test_bfloat16_large_batches_go_to_onednn_where_it_has_bf16(kernel):
     assert fp32.weight is None  # fp32 runs the kernel at every batch size
 
 
+def gguf_weights(kind: str, n: int, k: int, magnitude: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights through gguf's own quantizer: (our blocks, gguf's dequantized fp32)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = GGMLQuantizationType[kind]
+    raw = quantize((torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * magnitude).numpy(), qtype)
+    return gguf_blocks(raw, kind), torch.from_numpy(dequantize(raw, qtype))
+
+
 @pytest.mark.parametrize("kind, magnitude, block_bytes", [
     ("Q4_0", 0.1, 640), ("Q4_1", 0.1, 640), ("Q8_0", 0.1, 1280),
     ("Q4_0", 5e4, 1280),  # -8 x scale overflows fp16: 8-bit codes with fp32 scales instead
@@ -94,14 +104,8 @@ def test_bfloat16_large_batches_go_to_onednn_where_it_has_bf16(kernel):
 def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, block_bytes):
     """The kernel on a GGUF file's blocks against the kernel on gguf's own dequantized fp32,
     in either packed block format."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
-    qtype = GGMLQuantizationType[kind]
+    blocks, reference = gguf_weights(kind, 70, 96, magnitude, seed=2)
     gen = torch.Generator().manual_seed(2)
-    raw = quantize((torch.randn(70, 96, generator=gen) * magnitude).numpy(), qtype)
-    reference = torch.from_numpy(dequantize(raw, qtype))
-    blocks = gguf_blocks(raw, kind)
     assert blocks.shape == (70, 96 // 32 * 40) and blocks.dtype == torch.uint8
     assert torch.equal(blocks_to_float(blocks), reference)
     bias = torch.randn(70, generator=gen)
@@ -118,14 +122,10 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, b
 def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
     """Given blocks, a bf16 layer's kernel path reads them (the exact weights, fewer bytes than
     bf16) and oneDNN, where it has bf16, gets them rounded to bf16."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
+    blocks, exact = gguf_weights("Q4_1", 64, 96, 0.1, seed=3)
     gen = torch.Generator().manual_seed(3)
-    raw = quantize((torch.randn(64, 96, generator=gen) * 0.1).numpy(), GGMLQuantizationType.Q4_1)
-    exact = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_1))
     bias = torch.randn(64, generator=gen)
-    layer = Linear(gguf_blocks(raw, "Q4_1"), bias, torch.bfloat16, torch.device("cpu"), kernel)
+    layer = Linear(blocks, bias, torch.bfloat16, torch.device("cpu"), kernel)
     assert layer.packed.dtype == torch.uint8 and (layer.onednn is not None) == HAS_ONEDNN_BF16
     for m in (1, ONEDNN_MIN_ROWS - 1, ONEDNN_MIN_ROWS, 100):
         x = torch.randn(m, 96, generator=gen)
@@ -138,3 +138,49 @@ def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
             assert not torch.equal(out, on_blocks)
             reference = (x.double() @ exact.bfloat16().double().T + bias.double()).bfloat16()
             assert (out.float() - reference.float()).abs().max() < 0.3
+
+
+def int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernel rounds it: per row and block of 32, codes round(x * 127 / max|x|) (ties
+    to even) times max|x| / 127, in float64."""
+    blocks = x.view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    codes = torch.round(blocks * torch.where(top > 0, 127 / top, torch.zeros_like(top)))
+    return (codes.double() * (top / 127).double()).view_as(x)
+
+
+@pytest.mark.parametrize("kind, block_bytes", [("Q4_0", 640), ("Q4_1", 640), ("Q8_0", 1088)])
+def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes):
+    """--dtype gguf-int8: rows rounded to 8 bits per block of 32, integer dot products, then
+    the scales. Equal to that arithmetic in float64 up to fp32 rounding, not to the fp32
+    results, and each row gives the same bits in any batch."""
+    blocks, w = gguf_weights(kind, 70, 96, 0.1, seed=4)
+    packed = pack_for_int8(blocks)
+    assert packed.dtype == torch.int8 and packed.shape == (3, 3, block_bytes)
+    gen = torch.Generator().manual_seed(5)
+    bias = torch.randn(70, generator=gen)
+    x = torch.randn(40, 96, generator=gen)
+    x[3] = 0                 # a zero block rounds to codes 0 with scale 0
+    x[5, :32] *= 1e3         # an outlier block rounds only itself coarsely
+    out = kernel(x, packed, 70, bias)
+    reference = int8_rounded(x) @ w.double().T + bias.double()
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[3], bias)
+    exact = kernel(x, pack(blocks), 70, bias)
+    assert 1e-3 < (out - exact).abs().max() < 0.1 * exact.abs().max()
+    for m in (1, 2, 3, 4, 5, 7, 12):
+        assert torch.equal(kernel(x[:m], packed, 70, bias), out[:m])
+        assert torch.equal(kernel(x[m:m + 1], packed, 70, bias), out[m:m + 1])
+    with pytest.raises(RuntimeError, match="weights"):  # packed for another K
+        kernel(torch.randn(2, 64), packed, 70, None)
+
+
+def test_int8_activations_need_gguf_blocks(kernel):
+    with pytest.raises(ValueError, match="GGUF blocks"):
+        Linear(torch.randn(64, 96), None, torch.float32, torch.device("cpu"), kernel, int8_activations=True)
+    overflowing, _ = gguf_weights("Q4_0", 64, 96, 5e4, seed=6)  # -8 x scale is over fp16's range
+    with pytest.raises(ValueError, match="fp16 scales"):
+        pack_for_int8(overflowing)
+    layer = Linear(gguf_weights("Q4_1", 64, 96, 0.1, seed=7)[0], None, torch.float32, torch.device("cpu"), kernel,
+                   int8_activations=True)
+    assert layer.packed.dtype == torch.int8 and layer.weight is None

@@ -39,7 +39,7 @@ class LLMEngine:
         if config.dtype == "auto":  # gguf where it runs: the same results as float32 from a sixth to a third of the bytes
             config.dtype = "gguf" if blocks_run else "float32"
         # bf16 keeps the blocks too where they run, for the small batches that the kernel serves
-        keep_blocks = config.dtype == "gguf" or config.dtype == "bfloat16" and blocks_run
+        keep_blocks = config.dtype.startswith("gguf") or config.dtype == "bfloat16" and blocks_run
         model_config, weights = load_model(self.model_path, progress=progress, keep_blocks=keep_blocks)
         config.resolve(model_config)
         if config.inject_fault == faults.LEGACY_REJECT_PATH:
@@ -56,7 +56,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
-        model = LlamaModel(model_config, weights, config.device, torch.bfloat16 if config.dtype == "bfloat16" else torch.float32)
+        model = LlamaModel(model_config, weights, config.device, torch.bfloat16 if config.dtype == "bfloat16" else torch.float32,
+                           int8_activations=config.dtype == "gguf-int8")
         kernel = decode_kernel(config.attention, config.device)
         graphs = None
         if config.device != "cpu" and not config.enforce_eager:

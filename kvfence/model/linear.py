@@ -34,6 +34,31 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.cat([scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)], dim=2).contiguous()
 
 
+def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks (uint8 [N, K/32 * 40]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
+    activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
+    offsets, [ceil(N/32), K/32, 640]; or Q8_0's signed codes with fp16 scales,
+    [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
+    vpmaddubsw multiplies them in."""
+    n = blocks.shape[0]
+    panels = F.pad(blocks, (0, 0, 0, -n % PANEL)).view(-1, PANEL, blocks.shape[1] // 40, 40).transpose(1, 2)
+    p, nb = panels.shape[:2]
+    scales = panels[..., :8].contiguous().view(torch.float32)                  # [P, K/32, 32 rows, 2]
+    scale, offset = scales[..., 0], scales[..., 1]
+    codes = panels[..., 8:].view(p, nb, 4, 8, 32)                               # [P, K/32, g, j, k]
+    half = lambda t: t.half().view(torch.uint8).view(p, nb, 2 * PANEL)  # noqa: E731
+    fp16 = lambda t: torch.equal(t.half().float(), t)  # noqa: E731
+    if codes.max() < 16 and fp16(scales):
+        nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)  # [P, K/32, h, g, j, t, high]
+        packed = torch.cat([half(scale), half(offset), (nibbles[..., 0] | nibbles[..., 1] << 4).flatten(2)], dim=2)
+    elif torch.equal(offset, -128 * scale) and fp16(scale):  # Q8_0: signed codes q = code - 128, no offset
+        signed = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+        packed = torch.cat([half(scale), signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2)], dim=2)
+    else:
+        raise ValueError("8-bit activations need Q4_0, Q4_1 or Q8_0 blocks with fp16 scales")
+    return packed.contiguous().view(torch.int8)
+
+
 def onednn_prepacked(weight: torch.Tensor) -> torch.Tensor | None:
     """bf16 weights reordered once into oneDNN's blocked layout (F.linear reorders them on
     every call, which cost 25-45% per layer at 16-64 rows here), or None where oneDNN has no
@@ -56,7 +81,7 @@ class Linear:
     torch's matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                 kernel: Callable | None):
+                 kernel: Callable | None, int8_activations: bool = False):
         self.out_features = weight.shape[0]
         self.dtype = dtype
         self.kernel = kernel
@@ -64,7 +89,10 @@ class Linear:
         if blocks and kernel is None:
             raise RuntimeError("GGUF blocks run only through the CPU linear kernel, which is unavailable here "
                                "(see the warning above): use --dtype float32, which gives the same results")
-        self.packed = None if kernel is None else pack(weight.to(device) if blocks else weight.to(device, dtype))
+        if int8_activations and not (blocks and dtype == torch.float32):
+            raise ValueError("8-bit activations run on GGUF blocks with fp32 outputs only")
+        packer = pack_for_int8 if int8_activations else pack
+        self.packed = None if kernel is None else packer(weight.to(device) if blocks else weight.to(device, dtype))
         unpacked = lambda: (blocks_to_float(weight) if blocks else weight).to(device, dtype)  # noqa: E731
         self.onednn = onednn_prepacked(unpacked()) if kernel is not None and dtype == torch.bfloat16 else None
         self.weight = None if kernel is not None else unpacked()  # torch's GEMM

@@ -58,7 +58,8 @@ class LlamaModel:
     the next (SwiGLU, attention output) stay bf16. See model/linear.py for which kernel runs
     when."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 int8_activations: bool = False):
         self.config = config
         self.device = torch.device(device)
         kernel = linear_kernel(self.device.type)
@@ -67,7 +68,7 @@ class LlamaModel:
         # torch's fp32 matmul (MKL) gives batch-independent rows only from 4 rows up; the kernel at any count.
         self.min_batch_rows = 1 if kernel is not None else 4
         fp32 = lambda t: t.to(self.device, torch.float32)  # noqa: E731
-        lin = lambda w, b=None: Linear(w, b, dtype, self.device, kernel)  # noqa: E731
+        lin = lambda w, b=None: Linear(w, b, dtype, self.device, kernel, int8_activations)  # noqa: E731
         self.embed = fp32(weights.embed)
         self.layers = [Layer(fp32(w.attn_norm), lin(w.qkv, w.qkv_bias), lin(w.o), fp32(w.ffn_norm), lin(w.gate_up),
                              lin(w.down)) for w in weights.layers]

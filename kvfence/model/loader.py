@@ -78,7 +78,7 @@ def load_model(path: Path, progress: bool = True, keep_blocks: bool = False) -> 
     if path.is_file():
         return _load_gguf(path, progress, keep_blocks)
     if keep_blocks:
-        raise ModelLoadError(f"--dtype gguf reads the blocks of a GGUF file; {path} is a safetensors directory")
+        raise ModelLoadError(f"--dtype gguf and gguf-int8 read the blocks of a GGUF file; {path} is a safetensors directory")
     return _load_safetensors_dir(path, progress)
 
 
@@ -215,7 +215,7 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
     if keep_blocks:
         for t in linear_tensors:
             if t.tensor_type.name not in BLOCK_BYTES:
-                raise ModelLoadError(f"--dtype gguf reads {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
+                raise ModelLoadError(f"--dtype gguf and gguf-int8 read {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
                                      f"{t.tensor_type.name} in {path.name}: use --dtype float32")
             blocks[t.name] = gguf_blocks(t.data, t.tensor_type.name)
     tensors: dict[str, torch.Tensor] = {}
