@@ -442,11 +442,15 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
                     (packed.size(2) == kNibbleBlock || packed.size(2) == kByteBlock),
                 "weights: [N/32, K/32, 640 or 1088] (blocks for 8-bit activations) for this K");
     if (M == 0) return out;
-    auto codes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
-    auto scales = torch::empty({2, M, K / kBlock}, x.options());
-    quantize_rows(xc.data_ptr<float>(), M, K, codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(),
-                  scales[1].data_ptr<float>());
-    const QuantizedRows rows{codes.data_ptr<int8_t>(), scales[0].data_ptr<float>(), scales[1].data_ptr<float>(), K};
+    // The caller's thread keeps these between calls: a layer's call costs a few microseconds
+    // at one row, and allocating them was a sizable part of that.
+    thread_local std::vector<int8_t> codes;
+    thread_local std::vector<float> scales;
+    codes.resize(M * K);
+    scales.resize(2 * M * (K / kBlock));
+    float* scaled_sums = scales.data() + M * (K / kBlock);
+    quantize_rows(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), scaled_sums);
+    const QuantizedRows rows{codes.data(), scales.data(), scaled_sums, K};
     const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
     if (packed.size(2) == kNibbleBlock)
       run_int<true>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
