@@ -74,8 +74,11 @@ def flops_per_token(cfg, with_lm_head: bool = True) -> float:
 
 def run_kvfence(llm, workload) -> dict:
     """Submits (prompt ids, output length) pairs at once (greedy, EOS ignored) and steps the
-    engine until all finish. Also times generation alone: the steps once every prompt is in."""
+    engine until all finish. Also times generation alone: the steps once every prompt is in.
+    The prefix cache starts empty, so that a workload run again is not served from it."""
     engine = llm.engine
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
     for prompt, out_len in workload:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
     generated, generation_tokens, generation_s = 0, 0, 0.0

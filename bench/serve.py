@@ -1,5 +1,5 @@
 """Serving benchmark, side by side in one run: kvfence unified (the default, which runs the
-GGUF blocks; `--dtype float32`; `--dtype bfloat16`), kvfence 1P1D (router + one prefill +
+GGUF blocks; `--dtype gguf-int8`; `--dtype float32`; `--dtype bfloat16`), kvfence 1P1D (router + one prefill +
 one decode worker), and llama.cpp's server on the same GGUF file. Each server also answers
 a few 512-token prompts alone first: time to first token under no load.
 
@@ -54,8 +54,10 @@ def start(kind: str, args) -> tuple[list[subprocess.Popen], str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    if kind in ("kvfence", "kvfence-fp32", "kvfence-bf16"):
-        dtype = {"kvfence": [], "kvfence-fp32": ["--dtype", "float32"], "kvfence-bf16": ["--dtype", "bfloat16"]}[kind]
+    dtypes = {"kvfence": [], "kvfence-int8": ["--dtype", "gguf-int8"], "kvfence-fp32": ["--dtype", "float32"],
+              "kvfence-bf16": ["--dtype", "bfloat16"]}
+    if kind in dtypes:
+        dtype = dtypes[kind]
         procs = [subprocess.Popen([*kv, "serve", "--port", str(port), *common, *dtype], **quiet)]
     elif kind == "kvfence-1p1d":
         workers = [free_port(), free_port()]
@@ -105,11 +107,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
-    ap.add_argument("--only", default=None, help="comma list of kvfence,kvfence-fp32,kvfence-bf16,kvfence-1p1d,llama.cpp")
+    ap.add_argument("--only", default=None, help="comma list of kvfence,kvfence-int8,kvfence-fp32,kvfence-bf16,kvfence-1p1d,llama.cpp")
     ap.add_argument("--ttft-prompts", type=int, default=5, help="512-token prompts timed alone per server (0: skip)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    kinds = ["kvfence", "kvfence-fp32", "kvfence-bf16", "kvfence-1p1d"] + (["llama.cpp"] if args.llamacpp_python else [])
+    kinds = ["kvfence", "kvfence-int8", "kvfence-fp32", "kvfence-bf16", "kvfence-1p1d"] + (["llama.cpp"] if args.llamacpp_python else [])
     ttft_prompts = prompts_of_512_tokens(args.ttft_prompts + 1, args.seed) if args.ttft_prompts else []
     if args.only:
         kinds = [k for k in kinds if k in args.only.split(",")]

@@ -23,6 +23,7 @@ from peer_protocol import arguments, serve
 def generate(llm, workload) -> int:
     from vllm import SamplingParams
 
+    llm.reset_prefix_cache()  # as kvfence's bench runs: a workload run again starts cold
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -1,6 +1,6 @@
-"""Linear layers: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks. The output is in
-the layer's dtype (fp32 for GGUF blocks): bf16 layers hand bf16 on, which spares a
-conversion each way on every call."""
+"""Linear layers: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks (times fp32 or,
+with --dtype gguf-int8, 8-bit activations). The output is in the layer's dtype (fp32 for GGUF
+blocks): bf16 layers hand bf16 on, which spares a conversion each way on every call."""
 from typing import Callable
 
 import torch
@@ -77,7 +77,9 @@ class Linear:
     it on the GGUF blocks where they are given (fewer bytes than bf16, and the exact
     weights); where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), which is far faster on large
     batches, they keep its layout too and use the kernel for small batches only, and are then
-    not batch invariant. Without the kernel (GPU, no compiler, neither AVX-512 nor AVX2):
+    not batch invariant. int8_activations (GGUF blocks only): the kernel rounds x to 8 bits
+    per block of 32 and sums on integers, llama.cpp's arithmetic: faster, still batch
+    invariant, not the fp32 bits. Without the kernel (GPU, no compiler, neither AVX-512 nor AVX2):
     torch's matmul."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
