@@ -107,11 +107,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--llamacpp-python", default=None, help="a Python with llama-cpp-python[server] installed")
-    ap.add_argument("--only", default=None, help="comma list of kvfence,kvfence-int8,kvfence-fp32,kvfence-bf16,kvfence-1p1d,llama.cpp")
+    ap.add_argument("--only", default=None,
+                    help="comma list of kvfence,kvfence-int8,kvfence-fp32,kvfence-bf16,kvfence-1p1d,llama.cpp")
     ap.add_argument("--ttft-prompts", type=int, default=5, help="512-token prompts timed alone per server (0: skip)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    kinds = ["kvfence", "kvfence-int8", "kvfence-fp32", "kvfence-bf16", "kvfence-1p1d"] + (["llama.cpp"] if args.llamacpp_python else [])
+    kinds = ["kvfence", "kvfence-int8", "kvfence-fp32", "kvfence-bf16", "kvfence-1p1d"]
+    kinds += ["llama.cpp"] if args.llamacpp_python else []
     ttft_prompts = prompts_of_512_tokens(args.ttft_prompts + 1, args.seed) if args.ttft_prompts else []
     if args.only:
         kinds = [k for k in kinds if k in args.only.split(",")]

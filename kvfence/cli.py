@@ -30,7 +30,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="linear weights: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 blocks and gives the same results "
                         "as float32 from a sixth to a third of the bytes (CPU with AVX-512 or AVX2); auto takes gguf where "
                         "it runs, else float32; gguf-int8 also rounds activations to 8 bits and multiplies on "
-                        "integers, as llama.cpp does: faster, but not bit-equal to float32 (see README); bfloat16 halves the KV pool and is 2-3x faster at large batches where "
+                        "integers, as llama.cpp does: faster, but not bit-equal to float32 (see README); bfloat16 "
+                        "halves the KV pool and is 2-3x faster at large batches where "
                         "the CPU has AVX-512 BF16 or AMX, but is not bit-equal to float32 (see README)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "

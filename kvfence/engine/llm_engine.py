@@ -56,7 +56,8 @@ class LLMEngine:
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
                                    self.prefix_cache)
-        model = LlamaModel(model_config, weights, config.device, torch.bfloat16 if config.dtype == "bfloat16" else torch.float32,
+        model = LlamaModel(model_config, weights, config.device,
+                           torch.bfloat16 if config.dtype == "bfloat16" else torch.float32,
                            int8_activations=config.dtype == "gguf-int8")
         kernel = decode_kernel(config.attention, config.device)
         graphs = None
