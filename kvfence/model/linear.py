@@ -12,6 +12,15 @@ PANEL = 32             # weight rows per panel of csrc/linear.cpp
 ONEDNN_MIN_ROWS = 8    # bf16 only: from this many rows oneDNN's bf16 GEMM (prepacked) beats the kernel
 
 
+def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) in panels of 32 rows (zero padded):
+    the codes [ceil(N/32), K/32, 32 rows, 32 k] and the fp32 scales and offsets
+    [ceil(N/32), K/32, 32 rows, 2]."""
+    panels = F.pad(blocks, (0, 0, 0, -blocks.shape[0] % PANEL)).view(-1, PANEL, blocks.shape[1] // 40, 40)
+    panels = panels.transpose(1, 2)
+    return panels[..., 8:], panels[..., :8].contiguous().view(torch.float32)
+
+
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """fp32 or bf16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
     padded), k-major. Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) -> per panel and
@@ -19,13 +28,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     [ceil(N/32), K/32, 640] with fp16 scales and two 4-bit codes a byte (row j low, row j + 16
     high) where every code fits 4 bits and every scale fp16 (Q4_0, Q4_1 as stored), else
     [ceil(N/32), K/32, 1280] with fp32 scales and 8-bit codes."""
-    n = weight.shape[0]
-    panels = F.pad(weight, (0, 0, 0, -n % PANEL)).view(-1, PANEL, *weight.shape[1:])
     if weight.dtype != torch.uint8:
+        panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
-    blocks = panels.view(panels.shape[0], PANEL, -1, 40).transpose(1, 2)      # [P, K/32, 32 rows, 40]
-    scales = blocks[..., :8].contiguous().view(torch.float32)                   # [P, K/32, 32 rows, 2]
-    codes = blocks[..., 8:].transpose(2, 3)                                      # [P, K/32, 32 k, 32 rows]
+    codes, scales = block_panels(weight)
+    codes = codes.transpose(2, 3)                                                # [P, K/32, 32 k, 32 rows]
     if codes.max() < 16 and torch.equal(scales.half().float(), scales):
         scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
         codes = codes[..., :16] | codes[..., 16:] << 4
@@ -40,12 +47,10 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
     offsets, [ceil(N/32), K/32, 640]; or Q8_0's signed codes with fp16 scales,
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
     vpmaddubsw multiplies them in."""
-    n = blocks.shape[0]
-    panels = F.pad(blocks, (0, 0, 0, -n % PANEL)).view(-1, PANEL, blocks.shape[1] // 40, 40).transpose(1, 2)
-    p, nb = panels.shape[:2]
-    scales = panels[..., :8].contiguous().view(torch.float32)                  # [P, K/32, 32 rows, 2]
+    codes, scales = block_panels(blocks)
+    p, nb = codes.shape[:2]
     scale, offset = scales[..., 0], scales[..., 1]
-    codes = panels[..., 8:].view(p, nb, 4, 8, 32)                               # [P, K/32, g, j, k]
+    codes = codes.view(p, nb, 4, 8, 32)                                         # [P, K/32, g, j, k]
     half = lambda t: t.half().view(torch.uint8).view(p, nb, 2 * PANEL)  # noqa: E731
     fp16 = lambda t: torch.equal(t.half().float(), t)  # noqa: E731
     if codes.max() < 16 and fp16(scales):
