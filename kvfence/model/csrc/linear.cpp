@@ -336,6 +336,9 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int g0, const float*
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) dot[i][v] = _mm256_setzero_si256();
     if constexpr (kNibbles) {
+      // Unrolled, GCC computes every product of the block before summing them and spills
+      // them to the stack: 1.2x slower from 2 rows on, here.
+#pragma GCC unroll 1
       for (int h = 0; h < 4; ++h) {
         __m256i lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
