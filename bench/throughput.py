@@ -159,11 +159,15 @@ def decode_fractions(llm: LLM, report: dict, peak_of) -> list[float]:
         peaks.append(peak_of())
     report["decode64_tok_s"], report["decode64_runs"] = statistics.median(rates), rates
     report["decode64_peak_fraction"] = report["decode64_tok_s"] * flops_per_token(cfg) / 1e9 / statistics.median(peaks)
-    report["decode1_tok_s"] = decode_rate(llm, 1, steps=64)
+    singles, bandwidths = [], []
+    for _ in range(3):  # likewise, with the read bandwidth measured beside each run
+        singles.append(decode_rate(llm, 1, steps=64))
+        bandwidths.append(read_bandwidth_gbs(device=llm.engine.config.device))
+    report["decode1_tok_s"], report["decode1_runs"] = statistics.median(singles), singles
     model = llm.engine.runner.model
     linears = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [model.lm_head]
     report["weight_bytes"] = sum((lin.packed if lin.packed is not None else lin.weight).nbytes for lin in linears)
-    report["read_bandwidth_gbs"] = read_bandwidth_gbs(device=llm.engine.config.device)
+    report["read_bandwidth_gbs"], report["read_bandwidth_runs"] = statistics.median(bandwidths), bandwidths
     report["decode1_roof_tok_s"] = report["read_bandwidth_gbs"] * 1e9 / report["weight_bytes"]
     return peaks
 
@@ -277,9 +281,11 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
         d = report[name]
         print(f"{name}: decode batch 64 {d['decode64_tok_s']:.1f} tok/s (median of "
               f"{', '.join(f'{x:.0f}' for x in d['decode64_runs'])}) = {100 * d['decode64_peak_fraction']:.0f}% of the "
-              f"fp32 peak; batch 1 {d['decode1_tok_s']:.1f} tok/s = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
+              f"fp32 peak; batch 1 {d['decode1_tok_s']:.1f} tok/s (median of "
+              f"{', '.join(f'{x:.0f}' for x in d['decode1_runs'])}) = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
               f"of the memory roof ({d['decode1_roof_tok_s']:.1f} tok/s: {d['weight_bytes'] / 1e6:.0f} MB of weights "
-              f"per token at {d['read_bandwidth_gbs']:.1f} GB/s)")
+              f"per token at {d['read_bandwidth_gbs']:.1f} GB/s, the median of "
+              f"{', '.join(f'{x:.1f}' for x in d['read_bandwidth_runs'])})")
 
 
 if __name__ == "__main__":
