@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--dtypes", default="auto",
                     help="kvfence's linear weights, one engine each: auto (gguf where it runs), float32, gguf, gguf-int8, bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtypes bfloat16), float32 or bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtypes bfloat16 or gguf-int8), float32 or bfloat16")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")

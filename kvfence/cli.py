@@ -35,7 +35,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "the CPU has AVX-512 BF16 or AMX, but is not bit-equal to float32 (see README)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                    help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "
-                        "stays fp32); auto takes bfloat16 with --dtype bfloat16, else float32. Disaggregated "
+                        "stays fp32); auto takes bfloat16 with --dtype bfloat16 or gguf-int8, else float32. Disaggregated "
                         "workers must agree")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,

@@ -30,7 +30,7 @@ class EngineConfig:
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
     dtype: str = "auto"                # linear weights: auto | float32 | gguf | gguf-int8 | bfloat16 (model/linear.py)
-    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16, else float32) | float32 | bfloat16
+    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16 or gguf-int8, else float32) | float32 | bfloat16
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     seed: int = 0
@@ -74,7 +74,7 @@ class EngineConfig:
         if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, not '{self.kv_cache_dtype}'")
         if self.kv_cache_dtype == "auto":  # the exact modes stay exact
-            self.kv_cache_dtype = "bfloat16" if self.dtype == "bfloat16" else "float32"
+            self.kv_cache_dtype = "bfloat16" if self.dtype in ("bfloat16", "gguf-int8") else "float32"
         kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
         if self.num_kv_pages is None:
             self.num_kv_pages = int(self.kv_memory_gib * GIB // (kv_bytes_per_token * self.page_size))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kvfence.model.attention import AttentionMetadata, paged_attention
+from kvfence.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 from kvfence.model.kernels import decode_kernel
 
 
@@ -43,6 +43,27 @@ def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     assert paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125).dtype == cache_dtype
 
+
+
+def test_prefill_reads_a_bf16_pool_in_the_models_dtype():
+    """Under fp32 layers (gguf-int8's bf16 pool), prefill attention widens the pool and runs
+    in fp32, as decode does: CPUs without bf16 arithmetic run it several times slower in
+    bf16. bf16 layers keep it in bf16. Either way the result is handed on in the pool's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(6, 9, 64, generator=gen)
+    k, v = (torch.randn(10, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    context = torch.tensor([7, 2, 9, 0, 4, 5])  # the request's slots, in position order
+    chunk = AttentionMetadata(slot_mapping=context, page_size=5, num_decode=0, decode_block_table=None,
+                              decode_lens=None, prefills=[PrefillChunk(0, 6, context, None)])
+
+    def sdpa(dtype):
+        q4, k4, v4 = (t.to(dtype).transpose(0, 1)[None] for t in (q, k[context], v[context]))
+        o = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=0.125, enable_gqa=True)
+        return o[0].transpose(0, 1).to(torch.bfloat16)
+
+    assert torch.equal(paged_attention(q, k, v, chunk, scale=0.125), sdpa(torch.float32))
+    assert torch.equal(paged_attention(q, k, v, chunk, 0.125, torch.bfloat16), sdpa(torch.bfloat16))
+    assert not torch.equal(sdpa(torch.float32), sdpa(torch.bfloat16))
 
 def run_with_threads(kernel, threads, *args):
     before = torch.get_num_threads()

@@ -42,9 +42,11 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16. Returns [T, H, D] in the caches'
-    dtype (zero for padding rows). Decode math is fp32; prefill runs in the caches' dtype."""
+    dtype (zero for padding rows). Decode math is fp32; prefill runs in `prefill_dtype` (the
+    model's: fp32 layers widen a bf16 pool as they read it, for CPUs without bf16 arithmetic
+    run bf16 attention several times slower)."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -67,9 +69,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
             out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:
-        qp = q[chunk.row_start:chunk.row_end].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        k = k_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
-        v = v_cache[chunk.context_slots].transpose(0, 1).unsqueeze(0)
+        qp = q[chunk.row_start:chunk.row_end].to(prefill_dtype).transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
+        k = k_cache[chunk.context_slots].to(prefill_dtype).transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
+        v = v_cache[chunk.context_slots].to(prefill_dtype).transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                            scale=scale, enable_gqa=group > 1)
         out[chunk.row_start:chunk.row_end] = o[0].transpose(0, 1)

@@ -112,7 +112,7 @@ class LlamaModel:
             for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
                 h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
                 q = ops.rope_write_kv(layer.qkv(h), cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.num_heads)
-                attn = paged_attention(q, k_cache, v_cache, meta, self.scale)
+                attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.dtype)
                 h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
                 delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         x = ops.add_rms_norm(x[sample_rows], delta[sample_rows], self.final_norm, eps, self.dtype)
