@@ -97,12 +97,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def build() -> Server:
         server = Server(LLMEngine(config), keys, args.served_model_name, args.max_pending, args.max_body_bytes)
         if args.role != "unified":
-            import httpx
-
+            from kvfence.disagg import worker_client
             from kvfence.disagg.transfer import KVTransfer
 
             app.state.transfer = KVTransfer(server.engine.pool, f"kvfence-{args.role}-{args.port}")
-            app.state.http = httpx.AsyncClient()
+            app.state.http = worker_client()
         return server
 
     app = create_app(build, role=args.role)
@@ -114,7 +113,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvfence.disagg import decode
 
         decode.add_routes(app, args.kv_transfer_timeout)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    from kvfence.disagg import WORKER_KEEPALIVE_S
+
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_keep_alive=5 if args.role == "unified" else WORKER_KEEPALIVE_S)
     return 0
 
 

@@ -103,6 +103,27 @@ def test_each_side_admits_against_its_own_pool(cluster):
     idle(urls)  # the prefill side released the KV it had parked
 
 
+
+def test_workers_keep_idle_connections_past_their_callers_pools(cluster):
+    """The router and decode workers drop a pooled connection after WORKER_KEEPALIVE_S / 6;
+    a worker keeps one longer than that. Were both 5 s (uvicorn's and httpx's defaults), a
+    request sent as the worker closed the connection would be reset: a spurious 502."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    from kvfence.disagg import WORKER_KEEPALIVE_S
+
+    router, urls = cluster
+    for url in (urls["prefill"][0], urls["decode"][0]):
+        conn = http.client.HTTPConnection(urlsplit(url).netloc, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().read() and conn.sock is not None
+        sock = conn.sock
+        time.sleep(WORKER_KEEPALIVE_S / 6 + 1)  # past what a caller keeps it, and past uvicorn's default
+        conn.request("GET", "/health")  # on the same connection: the worker has not closed it
+        assert conn.getresponse().status == 200 and conn.sock is sock
+        conn.close()
+
 def test_manifest_checks_catch_every_mismatch():
     cfg = ModelConfig("llama", 10, 8, 16, 2, 2, 1, 4, 1e4, 1e-5, 64, True)
     pool = KVPool(cfg, 8, 4)

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from kvfence.disagg import worker_client
 from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
 
 log = logging.getLogger("kvfence.router")
@@ -34,7 +35,7 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: floa
         """Every worker of one role once, starting with the next in that role's round robin."""
         start = next(turns[id(urls)]) % len(urls)
         return urls[start:] + urls[:start]
-    client = httpx.AsyncClient(timeout=timeout)
+    client = worker_client(timeout)
     registry = CollectorRegistry()
     routed = Counter("kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry)
 
