@@ -243,22 +243,25 @@ def main() -> None:
         args.json.write_text(json.dumps(report, indent=2))
 
 
+def listed(values, digits: int = 0) -> str:
+    return ", ".join(f"{x:.{digits}f}" for x in values)
+
+
 def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
     rounds = report["rounds"]
     median = lambda tool, w: statistics.median(r[tool][w]["tok_s"] for r in rounds)  # noqa: E731
     peak = report["matmul_peak_gflops"]
     print(f"machine: {report['machine']}; {len(rounds)} rounds, each tool in turn; medians over the rounds")
     print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of "
-          f"{', '.join(f'{p:.0f}' for p in report['matmul_peaks_gflops'])})")
+          f"{listed(report['matmul_peaks_gflops'])})")
     if "matmul_peak_gflops_bfloat16" in report:
         print(f"bf16 matmul peak measured: {report['matmul_peak_gflops_bfloat16']:.1f} GFLOP/s")
     for tool in rounds[0]:
         for w in ("mixed", "batch64"):
             if w in rounds[0][tool]:
-                runs = ", ".join(f"{r[tool][w]['tok_s']:.1f}" for r in rounds)
                 first = rounds[0][tool][w]
                 print(f"{tool:32s} {w:8s} {first['requests']:4d} requests  {median(tool, w):7.1f} output tok/s "
-                      f"(rounds: {runs})")
+                      f"(rounds: {listed((r[tool][w]['tok_s'] for r in rounds), 1)})")
     for v in report["peers"].values():
         print(f"{v['name']}: start-up {v['startup_s']:.0f} s")
     for r in rounds[:1]:
@@ -271,7 +274,7 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
                 if w in rounds[0][peer]:
                     ratios = [r[name][w]["tok_s"] / r[peer][w]["tok_s"] for r in rounds]
                     print(f"ratio {name} / {peer} {w}: {statistics.median(ratios):.2f}x "
-                          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
+                          f"(rounds: {listed(ratios, 2)})")
         seconds = statistics.median(r[name]["mixed"]["seconds"] for r in rounds)
         rate = mixed_flops / seconds / 1e9
         of_bf16 = (f", {100 * rate / report['matmul_peak_gflops_bfloat16']:.0f}% of the bf16 peak"
@@ -280,12 +283,12 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
               f"({mixed_flops / 1e12:.1f} TFLOP in {seconds:.1f} s; attention not counted)")
         d = report[name]
         print(f"{name}: decode batch 64 {d['decode64_tok_s']:.1f} tok/s (median of "
-              f"{', '.join(f'{x:.0f}' for x in d['decode64_runs'])}) = {100 * d['decode64_peak_fraction']:.0f}% of the "
+              f"{listed(d['decode64_runs'])}) = {100 * d['decode64_peak_fraction']:.0f}% of the "
               f"fp32 peak; batch 1 {d['decode1_tok_s']:.1f} tok/s (median of "
-              f"{', '.join(f'{x:.0f}' for x in d['decode1_runs'])}) = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
+              f"{listed(d['decode1_runs'])}) = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
               f"of the memory roof ({d['decode1_roof_tok_s']:.1f} tok/s: {d['weight_bytes'] / 1e6:.0f} MB of weights "
               f"per token at {d['read_bandwidth_gbs']:.1f} GB/s, the median of "
-              f"{', '.join(f'{x:.1f}' for x in d['read_bandwidth_runs'])})")
+              f"{listed(d['read_bandwidth_runs'], 1)})")
 
 
 if __name__ == "__main__":

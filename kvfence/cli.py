@@ -113,10 +113,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvfence.disagg import decode
 
         decode.add_routes(app, args.kv_transfer_timeout)
-    from kvfence.disagg import WORKER_KEEPALIVE_S
+    keep_alive = {}
+    if args.role != "unified":
+        from kvfence.disagg import WORKER_KEEPALIVE_S
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_keep_alive=5 if args.role == "unified" else WORKER_KEEPALIVE_S)
+        keep_alive["timeout_keep_alive"] = WORKER_KEEPALIVE_S
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **keep_alive)
     return 0
 
 

@@ -44,9 +44,9 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16. Returns [T, H, D] in the caches'
-    dtype (zero for padding rows). Decode math is fp32; prefill runs in `prefill_dtype` (the
-    model's: fp32 layers widen a bf16 pool as they read it, for CPUs without bf16 arithmetic
-    run bf16 attention several times slower)."""
+    dtype (zero for padding rows). Decode math is fp32; prefill runs in `prefill_dtype`, the
+    model's: under fp32 layers a bf16 pool is widened as it is read, since CPUs without bf16
+    arithmetic run bf16 attention several times slower."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
