@@ -175,6 +175,40 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
         kernel(torch.randn(2, 64), packed, 70, None)
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """fp32 a * b + c rounded once: the fp64 product of two fp32 values is exact."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
+    """The bits of the 8-bit-activation kernel, whatever its instructions (AVX2's vpmaddubsw
+    or AVX-512 VNNI's vpdpbusd) and tile: codes a = round(x * (127 / max|x|)), d = max|x| / 127
+    per row and block; per block, in k order, acc = fma(sum(a q), s * d, acc), then for 4-bit
+    codes acc = fma(o, d * sum(a), acc); then + bias. The integer sums are exact."""
+    blocks, _ = gguf_weights(kind, 70, 96, 0.1, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    x, bias = torch.randn(13, 96, generator=gen), torch.randn(70, generator=gen)
+    rows = x.view(13, 3, 32)
+    top = rows.abs().amax(-1)
+    a = torch.round(rows * torch.where(top > 0, 127 / top, 0)[..., None])
+    d = top / 127
+    header = blocks.view(70, 3, 40)[..., :8].contiguous().view(torch.float32)   # scale, offset
+    q = blocks.view(70, 3, 40)[..., 8:].float()
+    s, o = header[..., 0], header[..., 1]
+    if kind == "Q8_0":  # signed codes q - 128, no offset
+        q, o = q - 128, torch.zeros_like(o)
+    acc = torch.zeros(13, 70)
+    for b in range(3):
+        sums = (a[:, b, None, :].double() * q[None, :, b, :].double()).sum(-1).float()  # exact integers
+        acc = fma(sums, s[None, :, b] * d[:, b, None], acc)
+        if kind != "Q8_0":
+            acc = fma(o[None, :, b].expand(13, 70), (d[:, b] * a[:, b].sum(-1))[:, None].expand(13, 70), acc)
+    expected = acc + bias
+    for m in (1, 2, 5, 7, 13):
+        assert torch.equal(kernel(x[:m], pack_for_int8(blocks), 70, bias), expected[:m])
+
+
 def test_int8_activations_need_gguf_blocks(kernel):
     with pytest.raises(ValueError, match="GGUF blocks"):
         Linear(torch.randn(64, 96), None, torch.float32, torch.device("cpu"), kernel, int8_activations=True)
