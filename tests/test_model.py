@@ -108,7 +108,7 @@ def test_default_model_logits_match_transformers(hf_reference):
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=2e-3)
 
 
-def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference):
+def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference, real_llm):
     """bf16 linear layers and KV pool move logits by tenths (so near-ties can flip a greedy
     token), not more."""
     llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2,
@@ -118,9 +118,16 @@ def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference):
     assert model.layers[0].qkv.packed.dtype == torch.uint8  # below 8 rows: the file's blocks
     prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=1.0)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
-    assert out.text == "The capital of France is Paris."
+    # A near-tie: fp32 starts "The capital of France is Paris." 0.08 ahead of llama.cpp's
+    # "L'Étoile, ...". bf16 keeps fp32's token in its top two, a few tenths from the top at
+    # most: on CPUs with a bf16 GEMM, oneDNN's rounding can put either one first.
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=2)
+    ours = llm.chat(chat, params)[0].outputs[0].logprobs[0]
+    fp32 = real_llm.chat(chat, params)[0].outputs[0].logprobs[0]
+    assert real_llm.tokenizer.decode([fp32["token_id"]]) == "The"
+    top = dict(ours["top"])
+    assert fp32["token_id"] in top and ours["logprob"] - top[fp32["token_id"]] < 0.35
 
 
 def test_greedy_continuations_match_transformers(real_llm, hf_reference):
