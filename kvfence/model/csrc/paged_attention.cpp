@@ -4,12 +4,16 @@
 // never copied into a gathered tensor: decode attention is bound by memory traffic, and
 // the gather used to double it. Page numbers are bounds-checked against the pool before
 // any read. The pool holds fp32 or bf16; the math is fp32 either way. Built with
-// -ffast-math so that exp and the reductions vectorize.
+// -ffast-math so that exp and the reductions vectorize. With AVX-512 and 64-dim heads, the
+// query heads' sums stay in registers across the context and dot products are summed 16 at
+// a time: 1.3-1.5x at batch 64 on Zen 4 (the compiler's own loops kept them in memory).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -19,6 +23,88 @@ namespace {
 struct Shape {
   int64_t heads, kv_heads, group, dim, page_size;
 };
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// Calls fn(std::integral_constant<int, n>{}, g0) for query heads [g0, g0 + n), n at most 4:
+// 4 heads' sums (16 vectors) fill half the registers.
+template <typename Fn>
+void in_fours(int64_t G, Fn&& fn) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: fn(std::integral_constant<int, 1>{}, g0); break;
+      case 2: fn(std::integral_constant<int, 2>{}, g0); break;
+      case 3: fn(std::integral_constant<int, 3>{}, g0); break;
+      default: fn(std::integral_constant<int, 4>{}, g0);
+    }
+  }
+}
+
+// out[i] = the sum of p[i]'s lanes, for 16 vectors at once: a tree that transposes as it adds
+// (45 instructions, against 8 a vector summed alone, each waiting on the last).
+inline __m512 lane_sums(const __m512 (&p)[16]) {
+  __m512 c[4];  // c[j]'s 128-bit lane L: p[4j..4j+3]'s sums over their own lane L
+  for (int j = 0; j < 4; ++j) {
+    const __m512* v = p + 4 * j;
+    const __m512 a01 = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
+    const __m512 a23 = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
+    c[j] = _mm512_add_ps(_mm512_shuffle_ps(a01, a23, 0x44), _mm512_shuffle_ps(a01, a23, 0xEE));
+  }
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// scores[g * len + pos] = scale q[g] . k[pos] for GC query heads of 64 dims: each key loaded
+// once, and the dot products' lanes summed 16 positions at a time.
+template <int GC, typename T, typename ForEachSlot>
+void score_keys(const float* q, int64_t len, float scale, ForEachSlot&& for_each_slot, const T* k_cache,
+                float* scores) {
+  __m512 qv[GC][4], partial[GC][16];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < 4; ++c) qv[g][c] = _mm512_loadu_ps(q + g * 64 + c * 16);
+  for_each_slot(k_cache, [&](const T* k, int64_t pos) {
+    const __m512 k0 = load16(k), k1 = load16(k + 16), k2 = load16(k + 32), k3 = load16(k + 48);
+    const int i = pos % 16;
+    for (int g = 0; g < GC; ++g)
+      partial[g][i] = _mm512_add_ps(_mm512_fmadd_ps(qv[g][0], k0, _mm512_mul_ps(qv[g][1], k1)),
+                                    _mm512_fmadd_ps(qv[g][2], k2, _mm512_mul_ps(qv[g][3], k3)));
+    if (i == 15 || pos == len - 1) {
+      for (int g = 0; g < GC; ++g) {
+        for (int j = i + 1; j < 16; ++j) partial[g][j] = _mm512_setzero_ps();
+        _mm512_mask_storeu_ps(scores + g * len + pos - i, static_cast<__mmask16>((2u << i) - 1),
+                              _mm512_mul_ps(lane_sums(partial[g]), _mm512_set1_ps(scale)));
+      }
+    }
+  });
+}
+
+// out[g] = sum over positions of w[g * len + pos] v[pos], for GC query heads of 64 dims, the
+// GC x 4 sums held in registers across the whole context.
+template <int GC, typename T, typename ForEachSlot>
+void weigh_values(const float* w, int64_t len, ForEachSlot&& for_each_slot, const T* v_cache, float* out) {
+  __m512 acc[GC][4];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
+  for_each_slot(v_cache, [&](const T* v, int64_t pos) {
+    const __m512 v0 = load16(v), v1 = load16(v + 16), v2 = load16(v + 32), v3 = load16(v + 48);
+    for (int g = 0; g < GC; ++g) {
+      const __m512 wg = _mm512_set1_ps(w[g * len + pos]);
+      acc[g][0] = _mm512_fmadd_ps(wg, v0, acc[g][0]);
+      acc[g][1] = _mm512_fmadd_ps(wg, v1, acc[g][1]);
+      acc[g][2] = _mm512_fmadd_ps(wg, v2, acc[g][2]);
+      acc[g][3] = _mm512_fmadd_ps(wg, v3, acc[g][3]);
+    }
+  });
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(out + g * 64 + c * 16, acc[g][c]);
+}
+#endif
 
 // One KV head of one request: q and out are the [G, D] query heads that share it; its slots
 // are read through `pages`. T is the pool's element (float or at::BFloat16); kD is the head
@@ -45,6 +131,13 @@ void attend(const float* q, const T* k_cache, const T* v_cache, int64_t kv_head,
     }
   };
   scores.resize(G * len);
+#if defined(__AVX512F__)
+  if constexpr (kD == 64)
+    in_fours(G, [&](auto n, int64_t g0) {
+      score_keys<decltype(n)::value>(q + g0 * D, len, scale, for_each_slot, k_cache, scores.data() + g0 * len);
+    });
+  else
+#endif
   // Each K row is loaded once for the G query heads that share it.
   for_each_slot(k_cache, [&](const T* k, int64_t pos) {
     for (int64_t g = 0; g < G; ++g) {
@@ -68,6 +161,14 @@ void attend(const float* q, const T* k_cache, const T* v_cache, int64_t kv_head,
 #pragma omp simd
     for (int64_t pos = 0; pos < len; ++pos) sg[pos] *= inv;
   }
+#if defined(__AVX512F__)
+  if constexpr (kD == 64) {
+    in_fours(G, [&](auto n, int64_t g0) {
+      weigh_values<decltype(n)::value>(scores.data() + g0 * len, len, for_each_slot, v_cache, out + g0 * D);
+    });
+    return;
+  }
+#endif
   std::fill(out, out + G * D, 0.f);
   for_each_slot(v_cache, [&](const T* v, int64_t pos) {
     for (int64_t g = 0; g < G; ++g) {
