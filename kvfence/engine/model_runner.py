@@ -20,6 +20,10 @@ class ModelRunner:
                  decode_kernel: Callable | None = None, graphs: DecodeGraphs | None = None):
         self.model = model
         self.decode_kernel = decode_kernel
+        # With fp32 layers, prefill rows attend through the decode kernel too: each row to the
+        # positions up to its own, read from the request's pages in place, with no gather, no
+        # copy to fp32 and no mask (bf16 layers keep PyTorch's bf16 attention for prefill).
+        self.kernel_prefill = decode_kernel is not None and model.dtype == torch.float32
         self.graphs = graphs
         self.pool = pool
         self.allocator = allocator
@@ -71,10 +75,12 @@ class ModelRunner:
                 slots.append(req.block_table[pos // ps] * ps + pos % ps)
             self.mark_written(req, start, start + n)
         block_table = lengths = None
-        if decodes:
-            lengths = [r.num_computed_tokens + 1 for r, _ in decodes]
+        kernel_rows = decodes + prefills if self.kernel_prefill else decodes
+        if kernel_rows:
+            # Row i of a prefill chunk attends to the positions up to its own: a length of start + i + 1.
+            lengths = [pos + 1 for r, n in kernel_rows for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)]
             width = -(-max(lengths) // ps)
-            block_table = [(r.block_table + [scratch_page] * width)[:width] for r, _ in decodes]
+            block_table = [(r.block_table + [scratch_page] * width)[:width] for r, _ in kernel_rows]
         # A decode-only step where every row is sampled is what the graphs replay.
         if self.graphs is not None and not prefills and all(
                 r.num_computed_tokens + 1 == r.num_tokens and not r.prefill_only for r, _ in decodes):
@@ -87,7 +93,7 @@ class ModelRunner:
         slots += [self.pool.scratch_slot] * pad
         chunks = []
         row = len(decodes)
-        for req, n in prefills:
+        for req, n in [] if self.kernel_prefill else prefills:  # what PyTorch's attention takes
             start = req.num_computed_tokens
             length = start + n
             pos = torch.arange(length)
@@ -111,8 +117,10 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=to(slots),
             page_size=ps,
-            num_decode=len(decodes),
-            decode_block_table=None if block_table is None else to(block_table),
+            num_decode=len(lengths or ()),
+            # One block table a request, repeated for each of its rows.
+            decode_block_table=None if block_table is None else to(block_table).repeat_interleave(
+                to([n for _, n in kernel_rows]), dim=0),
             decode_lens=None if lengths is None else to(lengths),
             prefills=chunks,
             decode_kernel=self.decode_kernel,

@@ -19,9 +19,11 @@ class PrefillChunk:
 class AttentionMetadata:
     slot_mapping: torch.Tensor   # [T] slot each row's new K/V is written to
     page_size: int
-    num_decode: int              # rows [0, num_decode) are single-token decode steps
-    decode_block_table: torch.Tensor | None  # [Rd, P] pages; past a request's length, the scratch page
-    decode_lens: torch.Tensor | None         # [Rd] context length including this step's token
+    # Rows [0, num_decode) attend through a block table: decode steps, and prefill rows too
+    # where the kernel takes them (ModelRunner.kernel_prefill), each to the positions up to its own.
+    num_decode: int
+    decode_block_table: torch.Tensor | None  # [Rd, P] pages; past a row's length, the scratch page
+    decode_lens: torch.Tensor | None         # [Rd] context length including the row's own token
     prefills: list[PrefillChunk]
     decode_kernel: Callable | None = None    # reads the pool in place (kernels.py); None: gather in PyTorch
 
