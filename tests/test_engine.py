@@ -33,6 +33,14 @@ def run_all(engine, check=None):
     return finished
 
 
+def tokens_and_logprobs(engine, prompts, params):
+    """Each prompt's (token ids, logprobs), run to the end; the pool is empty after."""
+    reqs = [engine.add_request(p, params)[0] for p in prompts]
+    done = run_all(engine)
+    assert_pool_empty(engine)
+    return [(done[(q.parent_id, 0)].token_ids, [e["logprob"] for e in done[(q.parent_id, 0)].logprobs]) for q in reqs]
+
+
 def block_tables_disjoint(engine):
     seen = set()
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
@@ -189,11 +197,7 @@ def test_decode_graph_buckets_change_no_token(tiny_llama_dir):
         if graphs:
             r = engine.runner
             r.graphs = DecodeGraphs(r.model, engine.pool, 8, 128 // 4, r.decode_kernel, capture=False)
-        reqs = [engine.add_request(p, params)[0] for p in prompts]
-        done = run_all(engine)
-        results.append([(done[(q.parent_id, 0)].token_ids, [e["logprob"] for e in done[(q.parent_id, 0)].logprobs])
-                        for q in reqs])
-        assert_pool_empty(engine)
+        results.append(tokens_and_logprobs(engine, prompts, params))
     assert results[0] == results[1]
     # Five requests decode in a bucket of 8 rows, block tables of 8 to 11 pages in buckets of 8 and 16.
     assert 8 in {rows for rows, _ in r.graphs.graphs} and {8, 16} <= {p for _, p in r.graphs.graphs}
@@ -210,11 +214,7 @@ def test_prefill_rows_attend_through_the_kernel_alike_in_any_chunking(tiny_llama
         engine = tiny_engine(tiny_llama_dir, max_num_batched_tokens=budget, max_num_seqs=4)
         assert engine.runner.kernel_prefill
         engine.runner.kernel_prefill = kernel_prefill
-        reqs = [engine.add_request(p, params)[0] for p in prompts]
-        done = run_all(engine)
-        results.append([(done[(q.parent_id, 0)].token_ids, [e["logprob"] for e in done[(q.parent_id, 0)].logprobs])
-                        for q in reqs])
-        assert_pool_empty(engine)
+        results.append(tokens_and_logprobs(engine, prompts, params))
     assert results[0] == results[1]
     for (kernel_ids, kernel_lp), (torch_ids, torch_lp) in zip(results[1], results[2]):
         assert kernel_ids == torch_ids
