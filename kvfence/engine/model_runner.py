@@ -58,6 +58,13 @@ class ModelRunner:
             if page_index >= req.num_shared_pages:
                 self.allocator.mark_written(req.owner, page, min(end - page_index * ps, ps))
 
+    @staticmethod
+    def row_tables(tables: torch.Tensor, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """One block table a row: each request's, repeated for each of its rows."""
+        if all(n == 1 for _, n in rows):
+            return tables
+        return tables.repeat_interleave(torch.tensor([n for _, n in rows], device=tables.device), dim=0)
+
     def run(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """Computes every scheduled token. Returns logits for the requests whose chunk ends at
         their last token, which are the ones to sample, and those requests in logits order."""
@@ -118,9 +125,7 @@ class ModelRunner:
             slot_mapping=to(slots),
             page_size=ps,
             num_decode=len(lengths or ()),
-            # One block table a request, repeated for each of its rows.
-            decode_block_table=None if block_table is None else to(block_table).repeat_interleave(
-                to([n for _, n in kernel_rows]), dim=0),
+            decode_block_table=None if block_table is None else self.row_tables(to(block_table), kernel_rows),
             decode_lens=None if lengths is None else to(lengths),
             prefills=chunks,
             decode_kernel=self.decode_kernel,
