@@ -100,7 +100,8 @@ class ModelRunner:
         slots += [self.pool.scratch_slot] * pad
         chunks = []
         row = len(decodes)
-        for req, n in [] if self.kernel_prefill else prefills:  # what PyTorch's attention takes
+        torch_prefills = [] if self.kernel_prefill else prefills  # the chunks PyTorch's attention takes
+        for req, n in torch_prefills:
             start = req.num_computed_tokens
             length = start + n
             pos = torch.arange(length)
