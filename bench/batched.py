@@ -24,12 +24,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_line, mixed_workload, run_kvfence  # noqa: E402
 
 from kvfence import LLM  # noqa: E402
+import torch  # noqa: E402 - after kvfence (see common.py)
 
 
 def kvfence_figures(llm: LLM, batch: int, prompt_len: int, new_tokens: int, seed: int) -> dict:

@@ -4,9 +4,9 @@ import random
 import statistics
 import time
 
-import torch
+from kvfence import SamplingParams  # before torch: it sets libgomp's wait as torch loads it
 
-from kvfence import SamplingParams
+import torch
 
 
 def machine_line(device: str = "cpu") -> str:

@@ -16,12 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_line, mixed_workload  # noqa: E402
 
 from kvfence import LLM, SamplingParams  # noqa: E402
+import torch  # noqa: E402 - after kvfence (see common.py)
 
 
 def timed(llm: LLM, requests, tenants) -> tuple[float, int]:

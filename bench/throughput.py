@@ -28,13 +28,12 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
 from common import (flops_per_token, machine_line, matmul_peak_gflops, mixed_workload,  # noqa: E402
                     read_bandwidth_gbs, run_kvfence)
 
 from kvfence import LLM, SamplingParams  # noqa: E402
+import torch  # noqa: E402 - after kvfence (see common.py)
 
 
 def decode_rate(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 24) -> float:

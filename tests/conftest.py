@@ -1,7 +1,9 @@
 import os
 
 import pytest
-import torch
+
+import kvfence  # noqa: F401 - before torch, so that libgomp loads with its wait set (kvfence/__init__.py)
+import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)

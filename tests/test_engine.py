@@ -1,6 +1,9 @@
 """Admission, scheduling, preemption, abort and pool accounting on a tiny model."""
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -287,3 +290,16 @@ def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub):
     run_all(engine)
     k = engine.pool.k.view(engine.pool.k.shape[0], -1, 4, *engine.pool.k.shape[2:])[:, pages]
     assert (k.abs().sum() == 0) == (scrub == "on-free")
+
+
+@pytest.mark.parametrize("env, imports, expected", [
+    ({}, "kvfence", ["300000", "True"]),
+    ({"GOMP_SPINCOUNT": "1000"}, "kvfence", ["1000", "True"]),     # the user's own figure stays
+    ({"OMP_WAIT_POLICY": "passive"}, "kvfence", ["None", "True"]),  # so does the user's policy
+    ({}, "torch, kvfence", ["300000", "False"]),                    # too late for libgomp: the engine warns
+])
+def test_openmp_threads_keep_spinning_between_regions_unless_the_user_chose(env, imports, expected):
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = f"import os, {imports}; print(os.environ.get('GOMP_SPINCOUNT'), kvfence.OPENMP_WAIT_CHOSEN)"
+    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    assert done.stdout.split() == expected
