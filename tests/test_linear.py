@@ -3,14 +3,21 @@ GGUF blocks giving the bits of their fp32 values; and its 8-bit-activation mode.
 import pytest
 import torch
 
-from kvfence.model.kernels import linear_kernel
+from kvfence.model.kernels import build, linear_kernel
 from kvfence.model.linear import ONEDNN_MIN_ROWS, Linear, onednn_prepacked, pack, pack_for_int8
 from kvfence.model.loader import blocks_to_float, gguf_blocks
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    kernel = linear_kernel("cpu")
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def kernel(request):
+    """The kernel as built for this CPU, and for AVX2 (x86-64-v3), whose code runs on AVX-512
+    CPUs too: every test below holds for both, bits included."""
+    if request.param == "native":
+        kernel = linear_kernel("cpu")
+    else:
+        if "avx2" not in open("/proc/cpuinfo").read():
+            pytest.skip("this CPU cannot run AVX2 code")
+        kernel = build("linear", request.param).packed_linear
     assert kernel is not None, "the linear kernel must build here"
     return kernel
 

@@ -35,7 +35,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if config.device == "cpu" and not kvfence.OPENMP_WAIT_CHOSEN:
             log.warning("torch was imported before kvfence, so OpenMP threads keep libgomp's default wait: "
-                        "set GOMP_SPINCOUNT=300000 in the environment for up to 10-20%% faster decoding")
+                        "set GOMP_SPINCOUNT=300000 in the environment for up to 10-20% faster decoding")
         self.model_path = resolve_model_path(config.model)
         self.model_name = self.model_path.stem if self.model_path.is_file() else self.model_path.name
         blocks_run = (config.dtype in ("auto", "bfloat16") and config.device == "cpu"

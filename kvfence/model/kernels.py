@@ -11,17 +11,19 @@ FAST_MATH = {"fused": True, "linear": False, "paged_attention": True}
 
 
 @functools.cache
-def build(name: str):
+def build(name: str, march: str = "native"):
     """The compiled module csrc/{name}.cpp, or None where it cannot be built (no C++
-    compiler, no ninja, neither AVX-512 nor AVX2 with FMA for `linear`); the callers then fall back to PyTorch."""
+    compiler, no ninja, neither AVX-512 nor AVX2 with FMA for `linear`); the callers then fall back to PyTorch.
+    `march` other than native builds for an older instruction set (the tests run AVX2 code on AVX-512 CPUs)."""
     try:
         import ninja
         from torch.utils.cpp_extension import load
 
         # torch looks for ninja on PATH, which an unactivated virtualenv lacks.
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        flags = ["-O3", "-march=native", "-fopenmp"] + (["-ffast-math"] if FAST_MATH[name] else [])
-        return load(name=f"kvfence_{name}", sources=[str(Path(__file__).parent / "csrc" / f"{name}.cpp")],
+        flags = ["-O3", f"-march={march}", "-fopenmp"] + (["-ffast-math"] if FAST_MATH[name] else [])
+        suffix = "" if march == "native" else "_" + march.replace("-", "_")
+        return load(name=f"kvfence_{name}{suffix}", sources=[str(Path(__file__).parent / "csrc" / f"{name}.cpp")],
                     extra_cflags=flags, extra_ldflags=["-fopenmp"])
     except Exception as e:  # noqa: BLE001 - any build failure means the PyTorch path
         log.warning("CPU kernel %s unavailable, falling back to PyTorch: %s", name, e)

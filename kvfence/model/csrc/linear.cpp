@@ -258,13 +258,14 @@ void run(const float* x, const W* w, int64_t panel_size, const float* bias, floa
 // Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127),
 // and a block's dot product is computed on integers: x . w ~ d (s sum(a c) + o sum(a)) for
 // w = s c + o: a vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
-// need no conversion to floats. Measured here against the exact path above: 1.5-2.5x the rate
-// on the layers' 4-bit shapes at 16-256 rows (about 200 GFLOP/s at 64 rows), 1.1-1.4x on the
-// 8-bit output layer, 1.7-3.2x at one row with the weights in cache. Results are not the fp32
+// need no conversion to floats. Measured against the exact path above on Zen 5: 2.2-3x the
+// rate on the layers' 4-bit shapes at 16-256 rows (about 1000 GOP/s at 64 rows), 2.8-3.2x on
+// the 8-bit output layer at 16-64 rows, 2.4-4.4x at one row with the weights in cache (Zen 3
+// and 4, with 256-bit vectors: 1.5-2.5x, 1.1-1.4x and 1.7-3.2x). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
 // depend on order, and each output's blocks are added in one order, so every CPU gives the
-// same bits (AVX-512 VNNI sums the codes in fewer instructions: 1.1-1.2x at 64 and 512 rows
-// on Zen 4). Packed weights (int8) [N/32, K/32, bytes]:
+// same bits (AVX-512 VNNI sums the codes in fewer instructions, 16 columns at once). Packed
+// weights (int8) [N/32, K/32, bytes]:
 //   4-bit: 32 scales, 32 offsets (fp16), then for each 8 k (h = 0..3) and each 8 columns
 //          (g = 0..3) 32 bytes, byte 4j + t holding column 8g + j's codes for k = 8h + t (low
 //          nibble) and k = 8h + 4 + t (high nibble): 640 bytes.
@@ -316,10 +317,53 @@ struct QuantizedRows {
   int64_t K;
 };
 
-inline __m256i broadcast4(const int8_t* p) {
+// The integer kernel's vectors: with AVX-512 VNNI (and BW), 16 columns of a panel in a 512-bit
+// register, else 8 in a 256-bit one: 1.6-2x the rate of 256-bit VNNI from 4 rows on, 1.1-1.4x
+// at one row, on Zen 5, whose 512-bit units are full width. Each column's lane computes the
+// same integers and float steps either way, so the same bits.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+using IVec = __m512i;
+using FVec = __m512;
+constexpr int kIntLanes = 16;
+inline IVec load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline IVec bytes(int8_t b) { return _mm512_set1_epi8(b); }
+inline IVec low_nibbles(IVec v) { return _mm512_and_si512(v, bytes(0x0F)); }
+inline IVec high_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), bytes(0x0F)); }
+inline IVec words(int32_t w) { return _mm512_set1_epi32(w); }
+inline IVec izero() { return _mm512_setzero_si512(); }
+inline IVec sub_times_128(IVec a, IVec b) { return _mm512_sub_epi32(a, _mm512_slli_epi32(b, 7)); }
+inline FVec fzero() { return _mm512_setzero_ps(); }
+inline FVec to_float(IVec v) { return _mm512_cvtepi32_ps(v); }
+inline FVec fp16s(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline FVec fset(float x) { return _mm512_set1_ps(x); }
+inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+#else
+using IVec = __m256i;
+using FVec = __m256;
+constexpr int kIntLanes = 8;
+inline IVec load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline IVec bytes(int8_t b) { return _mm256_set1_epi8(b); }
+inline IVec low_nibbles(IVec v) { return _mm256_and_si256(v, bytes(0x0F)); }
+inline IVec high_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), bytes(0x0F)); }
+inline IVec words(int32_t w) { return _mm256_set1_epi32(w); }
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec sub_times_128(IVec a, IVec b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 7)); }
+inline FVec fzero() { return _mm256_setzero_ps(); }
+inline FVec to_float(IVec v) { return _mm256_cvtepi32_ps(v); }
+inline FVec fp16s(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline FVec fset(float x) { return _mm256_set1_ps(x); }
+inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
+inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int kIntVecs = kPanel / kIntLanes;  // vectors per panel: 2 or 4
+
+inline IVec broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
+  return words(v);
 }
 
 // A block's integer dot products: 4 products of unsigned codes u and signed codes s summed
@@ -329,79 +373,80 @@ inline __m256i broadcast4(const int8_t* p) {
 // go in unsigned, as a + 128, and 128 x each column's sum of codes comes off the block's sums
 // (a + 128 would saturate vpmaddubsw's pairs, so AVX2 multiplies |w| by a with w's sign).
 // The sums are exact integers every way, so all give the same bits.
-inline __m256i pair_sums(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool kUnsignedRows = true;
-inline __m256i add_products(__m256i sums, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(sums, u, s); }
-inline __m256i nibble_sums(__m256i sums) { return sums; }
+inline IVec add_products(IVec sums, IVec u, IVec s) { return _mm512_dpbusd_epi32(sums, u, s); }
+inline IVec nibble_sums(IVec sums) { return sums; }
 #else
 constexpr bool kUnsignedRows = false;
-inline __m256i add_products(__m256i sums, __m256i u, __m256i s) {  // nibbles: 16-bit sums, at most 8 x 2 x 15 x 127
+inline __m256i pair_sums(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+inline IVec add_products(IVec sums, IVec u, IVec s) {  // nibbles: 16-bit sums, at most 8 x 2 x 15 x 127
   return _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, s));
 }
-inline __m256i nibble_sums(__m256i sums) { return pair_sums(sums); }
+inline IVec nibble_sums(IVec sums) { return pair_sums(sums); }
 #endif
 
-// Rows x[0..MR) times the 8-column groups g0..g0+NV of one panel; writes the columns below
-// `cols` to out[0..MR).
+// Rows x[0..MR) times the vectors v0..v0+NV of one panel (kIntLanes columns each); writes the
+// columns below `cols` to out[0..MR).
 template <int MR, int NV, bool kNibbles>
-void int_tile(const QuantizedRows& x, const uint8_t* panel, int g0, const float* bias, float* out, int64_t N,
+void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float* bias, float* out, int64_t N,
               int64_t cols) {
   const int64_t blocks = x.K / kBlock;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[MR][NV];
+  FVec acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* block = panel + b * (kNibbles ? kNibbleBlock : kByteBlock);
     prefetch_ahead(block, kNibbles ? kNibbleBlock : kByteBlock);
-    const uint8_t* codes = block + (kNibbles ? 4 : 2) * kPanel;
+    // Vector v's codes for step h: the 32-byte groups of its 8-column groups, side by side.
+    const uint8_t* codes = block + (kNibbles ? 4 : 2) * kPanel + 32 * (kIntLanes / 8) * v0;
+    auto codes_at = [&](int h, int v) { return load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * v); };
     const int8_t* a = x.codes + b * kBlock;
-    __m256i dot[MR][NV];
+    IVec dot[MR][NV];
     for (int i = 0; i < MR; ++i)
-      for (int v = 0; v < NV; ++v) dot[i][v] = _mm256_setzero_si256();
+      for (int v = 0; v < NV; ++v) dot[i][v] = izero();
     if constexpr (kNibbles) {
       // Unrolled, GCC computes every product of the block before summing them and spills
       // them to the stack: 1.2x slower from 2 rows on, here.
 #pragma GCC unroll 1
       for (int h = 0; h < 4; ++h) {
-        __m256i lo[NV], hi[NV];
+        IVec lo[NV], hi[NV];
         for (int v = 0; v < NV; ++v) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (h * 4 + g0 + v) * 32));
-          lo[v] = _mm256_and_si256(raw, low);
-          hi[v] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+          const IVec raw = codes_at(h, v);
+          lo[v] = low_nibbles(raw);
+          hi[v] = high_nibbles(raw);
         }
         for (int i = 0; i < MR; ++i) {
-          const __m256i a0 = broadcast4(a + i * x.K + 8 * h), a1 = broadcast4(a + i * x.K + 8 * h + 4);
+          const IVec a0 = broadcast4(a + i * x.K + 8 * h), a1 = broadcast4(a + i * x.K + 8 * h + 4);
           for (int v = 0; v < NV; ++v)
             dot[i][v] = add_products(add_products(dot[i][v], lo[v], a0), hi[v], a1);
         }
       }
     } else if constexpr (kUnsignedRows) {
-      __m256i column_sums[NV];
-      for (int v = 0; v < NV; ++v) column_sums[v] = _mm256_setzero_si256();
+      IVec column_sums[NV];
+      for (int v = 0; v < NV; ++v) column_sums[v] = izero();
       for (int h = 0; h < 8; ++h) {
-        __m256i w[NV];
+        IVec w[NV];
         for (int v = 0; v < NV; ++v) {
-          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (h * 4 + g0 + v) * 32));
-          column_sums[v] = add_products(column_sums[v], _mm256_set1_epi8(1), w[v]);
+          w[v] = codes_at(h, v);
+          column_sums[v] = add_products(column_sums[v], bytes(1), w[v]);
         }
         for (int i = 0; i < MR; ++i) {
-          const __m256i a4 = broadcast4(a + i * x.K + 4 * h);
+          const IVec a4 = broadcast4(a + i * x.K + 4 * h);
           for (int v = 0; v < NV; ++v) dot[i][v] = add_products(dot[i][v], a4, w[v]);
         }
       }
       for (int i = 0; i < MR; ++i)
-        for (int v = 0; v < NV; ++v) dot[i][v] = _mm256_sub_epi32(dot[i][v], _mm256_slli_epi32(column_sums[v], 7));
+        for (int v = 0; v < NV; ++v) dot[i][v] = sub_times_128(dot[i][v], column_sums[v]);
     } else {
       for (int h = 0; h < 8; ++h) {
-        __m256i w[NV], magnitude[NV];
+        IVec w[NV], magnitude[NV];
         for (int v = 0; v < NV; ++v) {
-          w[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (h * 4 + g0 + v) * 32));
+          w[v] = codes_at(h, v);
           magnitude[v] = _mm256_abs_epi8(w[v]);
         }
         for (int i = 0; i < MR; ++i) {
-          const __m256i a4 = broadcast4(a + i * x.K + 4 * h);
+          const IVec a4 = broadcast4(a + i * x.K + 4 * h);
           for (int v = 0; v < NV; ++v)
             dot[i][v] = _mm256_add_epi32(
                 dot[i][v], pair_sums(_mm256_maddubs_epi16(magnitude[v], _mm256_sign_epi8(a4, w[v]))));
@@ -409,47 +454,43 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int g0, const float*
       }
     }
     for (int v = 0; v < NV; ++v) {
-      const int64_t j = 8 * (g0 + v);
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * j)));
-      const __m256 o = kNibbles ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 * (kPanel + j))))
-                                : _mm256_setzero_ps();
+      const int64_t j = kIntLanes * (v0 + v);
+      const FVec s = fp16s(block + 2 * j);
+      const FVec o = kNibbles ? fp16s(block + 2 * (kPanel + j)) : fzero();
       for (int i = 0; i < MR; ++i) {
         const int64_t row_block = i * blocks + b;
-        const __m256i sums = kNibbles ? nibble_sums(dot[i][v]) : dot[i][v];
-        acc[i][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(s, _mm256_set1_ps(x.scale[row_block])),
-                                    acc[i][v]);
-        if constexpr (kNibbles) acc[i][v] = _mm256_fmadd_ps(o, _mm256_set1_ps(x.scaled_sum[row_block]), acc[i][v]);
+        const IVec sums = kNibbles ? nibble_sums(dot[i][v]) : dot[i][v];
+        acc[i][v] = ffma(to_float(sums), fmul(s, fset(x.scale[row_block])), acc[i][v]);
+        if constexpr (kNibbles) acc[i][v] = ffma(o, fset(x.scaled_sum[row_block]), acc[i][v]);
       }
     }
   }
   for (int v = 0; v < NV; ++v) {
-    const int64_t j = 8 * (g0 + v);
-    alignas(32) float lanes[MR][8];
-    for (int i = 0; i < MR; ++i) _mm256_store_ps(lanes[i], acc[i][v]);
-    for (int64_t c = j; c < std::min(cols, j + 8); ++c)
+    const int64_t j = kIntLanes * (v0 + v);
+    float lanes[MR][kIntLanes];
+    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
+    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
       for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
   }
 }
 
-// Rows per tile: 2 x kIntRows sums and as many accumulators, 4 vectors of codes and 2 of a
-// row's codes, in the 16 registers of AVX2 or the 32 of AVX-512 (1.1-1.3x on the output layer
-// at 64 rows here).
-#if defined(__AVX512VL__)
-constexpr int kIntRows = 6;
-#else
+// Tiles of 4 rows and 2 vectors of columns: 8 sums and as many accumulators, 4 vectors of
+// codes and 2 of a row's codes, in the 16 registers of AVX2 (the 32 of AVX-512 fit 6 rows,
+// but spilled: 4 rows ran 1.05-1.15x faster on Zen 5, 1.4x on the output layer at 64 rows).
 constexpr int kIntRows = 4;
-#endif
+constexpr int kTileVecs = 2;
 
 template <bool kNibbles, int... MR>
 void int_panel(int rows, std::integer_sequence<int, MR...>, const QuantizedRows& x, const uint8_t* panel,
                const float* bias, float* out, int64_t N, int64_t cols) {
   using Fn = void (*)(const QuantizedRows&, const uint8_t*, int, const float*, float*, int64_t, int64_t);
-  static constexpr Fn table[] = {int_tile<MR + 1, 2, kNibbles>...};
-  if (rows == 1) {  // the whole panel at once: 4 independent sums to overlap
-    int_tile<1, 4, kNibbles>(x, panel, 0, bias, out, N, cols);
+  static constexpr Fn table[] = {int_tile<MR + 1, kTileVecs, kNibbles>...};
+  if (rows == 1) {  // the whole panel at once: independent sums to overlap
+    int_tile<1, kIntVecs, kNibbles>(x, panel, 0, bias, out, N, cols);
     return;
   }
-  for (int g0 = 0; g0 < 4 && 8 * g0 < cols; g0 += 2) table[rows - 1](x, panel, g0, bias, out, N, cols);
+  for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
+    table[rows - 1](x, panel, v0, bias, out, N, cols);
 }
 
 template <bool kNibbles>
