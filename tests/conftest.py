@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-import kvfence  # noqa: F401 - before torch, so that libgomp loads with its wait set (kvfence/__init__.py)
+import kvfence  # noqa: F401 - before torch, so that libgomp loads with its wait set (kvfence/openmp.py)
 import torch  # noqa: E402
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -300,6 +300,6 @@ def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub):
 ])
 def test_openmp_threads_keep_spinning_between_regions_unless_the_user_chose(env, imports, expected):
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = f"import os, {imports}; print(os.environ.get('GOMP_SPINCOUNT'), kvfence.OPENMP_WAIT_CHOSEN)"
+    code = f"import os, {imports}; print(os.environ.get('GOMP_SPINCOUNT'), kvfence.openmp.WAIT_CHOSEN)"
     done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
     assert done.stdout.split() == expected

@@ -6,8 +6,7 @@ import uuid
 
 import torch
 
-import kvfence
-from kvfence import faults
+from kvfence import faults, openmp
 from kvfence.config import EngineConfig
 from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.model_runner import ModelRunner
@@ -33,7 +32,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        if config.device == "cpu" and not kvfence.OPENMP_WAIT_CHOSEN:
+        if config.device == "cpu" and not openmp.WAIT_CHOSEN:
             log.warning("torch was imported before kvfence, so OpenMP threads keep libgomp's default wait: "
                         "set GOMP_SPINCOUNT=300000 in the environment for up to 10-20% faster decoding")
         self.model_path = resolve_model_path(config.model)
