@@ -1,6 +1,7 @@
 """Page allocator ownership records and the runtime sentinel."""
 import pytest
 
+from kvfence.kv import sentinel
 from kvfence.kv.allocator import FREE, OwnershipError, PageAllocator
 from kvfence.kv.sentinel import check_batch, check_block_table
 
@@ -101,8 +102,11 @@ def test_sentinel_catches_swapped_shared_pages():
     assert problem and "generation" in problem
 
 
-def test_sentinel_checks_a_whole_batch_at_once():
-    """One vectorized pass finds the same problems, on the same requests, as the checks one by one."""
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_sentinel_checks_a_whole_batch_at_once(vectorized, monkeypatch):
+    """One vectorized pass (batches of many pages) finds the same problems, on the same
+    requests, as the checks one by one (small batches)."""
+    monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
     a = PageAllocator(32, 4)
     sound = []
     for owner in (1, 2, 3):
