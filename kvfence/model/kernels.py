@@ -48,15 +48,16 @@ def fused_ops(device: str):
 
 
 def decode_layers(device: str):
-    """fused.cpp's decode_layers bound to the linear and attention kernels it calls: a decode
-    step's layers in one call from Python. None on a GPU or where a kernel is missing."""
+    """fused.cpp's DecodeLayers bound to the linear and attention kernels it calls: given a
+    model's weights, a decode step's layers in one call from Python. None on a GPU or where a
+    kernel is missing."""
     if device != "cpu":
         return None
     modules = build("fused"), build("linear"), build("paged_attention")
     if None in modules:
         return None
     fused, linear, attention = modules
-    return functools.partial(fused.decode_layers, linear.packed_linear_fn, attention.paged_decode_attention_fn)
+    return functools.partial(fused.DecodeLayers, linear.packed_linear_fn, attention.paged_decode_attention_fn)
 
 
 def linear_kernel(device: str):

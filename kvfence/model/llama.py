@@ -74,19 +74,22 @@ class LlamaModel:
                              lin(w.down)) for w in weights.layers]
         self.final_norm = fp32(weights.final_norm)
         self.lm_head = lin(weights.lm_head)
-        # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call.
-        self.decode_layers = decode_layers(self.device.type) if kernel is not None and dtype == torch.float32 else None
-        if self.decode_layers is not None:
-            no_bias = torch.empty(0)
-            self.layer_tensors = [t for layer in self.layers for t in (
-                layer.attn_norm, layer.qkv.packed, no_bias if layer.qkv.bias is None else layer.qkv.bias,
-                layer.o.packed, layer.ffn_norm, layer.gate_up.packed, layer.down.packed)]
-            self.out_features = [lin.out_features for lin in (self.layers[0].qkv, self.layers[0].o,
-                                                                self.layers[0].gate_up, self.layers[0].down)]
         d = config.head_dim
         self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
         self.scale = d ** -0.5
         self.q_size = config.num_heads * d
+        # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call.
+        bind_layers = decode_layers(self.device.type) if kernel is not None and dtype == torch.float32 else None
+        self.decode_layers = None
+        if bind_layers is not None:
+            no_bias = torch.empty(0)
+            first = self.layers[0]
+            self.decode_layers = bind_layers(
+                [t for layer in self.layers for t in (
+                    layer.attn_norm, layer.qkv.packed, no_bias if layer.qkv.bias is None else layer.qkv.bias,
+                    layer.o.packed, layer.ffn_norm, layer.gate_up.packed, layer.down.packed)],
+                [lin.out_features for lin in (first.qkv, first.o, first.gate_up, first.down)],
+                self.scale, config.rms_norm_eps, config.num_heads)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, D], the first half of sin negated: x * cos + x.roll(D/2) * sin is then
@@ -105,9 +108,8 @@ class LlamaModel:
         x = self.embed[input_ids]  # the fp32 residual stream; each layer's output is added in the next norm
         delta = None
         if self.decode_layers is not None and meta.decode_kernel is not None and meta.num_decode == num_rows:
-            delta = self.decode_layers(x, self.layer_tensors, self.out_features, kv.layers, cos, sin, meta.slot_mapping,
-                                       meta.decode_block_table, meta.decode_lens, meta.page_size, self.scale, eps,
-                                       cfg.num_heads)
+            delta = self.decode_layers(x, kv.layers, cos, sin, meta.slot_mapping, meta.decode_block_table,
+                                       meta.decode_lens, meta.page_size)
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
                 h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
