@@ -20,7 +20,7 @@ def check_block_table(allocator: PageAllocator, owner: int, block_table: list[in
     needed = -(-num_tokens // ps)
     if len(block_table) < needed or len(generations) != len(block_table):
         return f"block table has {len(block_table)} pages for {num_tokens} tokens"
-    pages = list(block_table[:needed])
+    pages = block_table[:needed]
     if any(not 0 <= p < allocator.num_pages for p in pages):
         return "block table points outside the pool"
     owners, issued, written = (records[pages].tolist() for records in
