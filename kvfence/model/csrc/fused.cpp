@@ -84,6 +84,17 @@ void rope_rows(const In* qkv, const float* cos, const float* sin, Cache* k_cache
   });
 }
 
+// x (fp32) rounded in place to bf16's precision: x.to(bf16).to(fp32) without two new tensors.
+void round_to_bf16(torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
+  float* p = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) {
+    at::BFloat16 rounded;
+    store(&rounded, p[i]);
+    p[i] = load(rounded);
+  }
+}
+
 }  // namespace
 
 // qkv [M, (H + 2 KVH) D] (fp32 or bf16) -> RoPE'd queries [M, H, D] fp32; RoPE'd keys and the
@@ -253,8 +264,7 @@ class DecodeLayers {
       auto q = rope_write_kv(linear_(h, w[1], out_features_[0], qkv_bias), cos, sin, k_cache, v_cache, slots,
                              num_heads_);
       auto attn = attention_(q, k_cache, v_cache, block_tables, lengths, page_size, scale_);
-      if (k_cache.scalar_type() != torch::kFloat32)  // the Python path hands the pool's dtype on
-        attn = attn.to(k_cache.scalar_type()).to(torch::kFloat32);
+      if (k_cache.scalar_type() == torch::kBFloat16) round_to_bf16(attn);  // the Python path hands the pool's dtype on
       h = add_rms_norm(x, linear_(attn.view({B, -1}), w[3], out_features_[1], none), w[4], eps_, torch::kFloat32);
       delta = linear_(silu_mul(linear_(h, w[5], out_features_[2], none)), w[6], out_features_[3], none);
     }
