@@ -8,6 +8,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
@@ -39,29 +40,13 @@ def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text, never emitting half a UTF-8 character.
-
-    It decodes a short window of ids and only emits text once the window no longer ends
-    in U+FFFD, the mark of an incomplete byte sequence. A few prompt tokens seed the
-    window so that tokenizers which drop a leading space decode the first token right.
-    """
+    """Turns a growing list of token ids into text, never emitting half a UTF-8 character:
+    `tokenizers`' DecodeStream, one native call a token. A few prompt tokens seed it so that
+    tokenizers which drop a leading space decode the first token right."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_ids[-5:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        self.backend = tokenizer.backend_tokenizer
+        self.stream = DecodeStream(ids=list(prompt_ids[-5:]), skip_special_tokens=skip_special_tokens)
 
     def add(self, token_id: int) -> str:
-        self.ids.append(token_id)
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""
-        self.prefix_offset = self.read_offset
-        self.read_offset = len(self.ids)
-        return full[len(prefix):]
+        return self.stream.step(self.backend, token_id) or ""
