@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="16,64")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--dtypes", default="auto",

@@ -32,7 +32,7 @@ def generate(llm, workload) -> int:
 
 def main() -> None:
     ap = arguments(__doc__, "a Hugging Face safetensors directory")
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-gib", default="3", help="VLLM_CPU_KVCACHE_SPACE, as kvfence's bench pool")
     args = ap.parse_args()

@@ -14,7 +14,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     g.add_argument("--num-kv-pages", type=int, default=None, help="KV pool size in pages (default: from --kv-memory-gib)")
     g.add_argument("--kv-memory-gib", type=float, default=2.0, help="KV pool memory budget when --num-kv-pages is not given")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget of one step (chunked prefill)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--enforce-eager", action="store_true",

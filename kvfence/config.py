@@ -21,7 +21,7 @@ class EngineConfig:
     page_size: int = 16
     num_kv_pages: int | None = None    # None: derived from kv_memory_gib
     kv_memory_gib: float = 2.0
-    max_num_seqs: int = 64
+    max_num_seqs: int = 128
     max_num_batched_tokens: int = 512
     device: str = "cpu"
     enforce_eager: bool = False        # GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)

@@ -103,7 +103,8 @@ def test_decode_layers_in_one_call_give_the_python_loops_bits(arch, kv_cache_dty
 
 
 def test_default_model_logits_match_transformers(hf_reference):
-    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2)
+    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=16,
+              num_threads=2)
     prompts = [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]]  # 6, ~60 and ~20 tokens: chunked, 7 never divides
     compare_batched(llm, hf_reference, prompts, max_tokens=5, atol=2e-3)
 
@@ -111,8 +112,8 @@ def test_default_model_logits_match_transformers(hf_reference):
 def test_bfloat16_logits_stay_near_the_fp32_reference(hf_reference, real_llm):
     """bf16 linear layers and KV pool move logits by tenths (so near-ties can flip a greedy
     token), not more."""
-    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, num_threads=2,
-              dtype="bfloat16")
+    llm = LLM(page_size=7, num_kv_pages=2000, max_model_len=1024, max_num_batched_tokens=64, max_num_seqs=16,
+              num_threads=2, dtype="bfloat16")
     model = llm.engine.runner.model
     assert model.layers[0].qkv.dtype == model.lm_head.dtype == llm.engine.pool.k.dtype == torch.bfloat16
     assert model.layers[0].qkv.packed.dtype == torch.uint8  # below 8 rows: the file's blocks
