@@ -89,6 +89,14 @@ def test_detokenizer_never_splits_a_character(tokenizer):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_generated_text_is_the_decoded_tokens(real_llm):
+    """Token by token, the text comes out as a decode of the whole output would give it,
+    leading space included."""
+    out = one(real_llm, "The capital of France is", temperature=0, max_tokens=16)[0]
+    assert out.text == real_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert out.text.startswith(" ")
+
+
 def test_batch_invariance_alone_or_among_63_others(real_llm):
     """Bit for bit: a single row (one-row matmuls) against a row among 63 others."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
