@@ -88,11 +88,15 @@ void rope_rows(const In* qkv, const float* cos, const float* sin, Cache* k_cache
 void round_to_bf16(torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
   float* p = x.data_ptr<float>();
-  for (int64_t i = 0; i < x.numel(); ++i) {
-    at::BFloat16 rounded;
-    store(&rounded, p[i]);
-    p[i] = load(rounded);
-  }
+  // Over [begin, end) the loop vectorizes (re-reading x.numel() each step kept it scalar: 2x
+  // torch's two copies at 64 rows, against 0.2x now).
+  at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      at::BFloat16 rounded;
+      store(&rounded, p[i]);
+      p[i] = load(rounded);
+    }
+  });
 }
 
 }  // namespace
