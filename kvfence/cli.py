@@ -4,7 +4,7 @@ import json
 import logging
 import sys
 
-from kvfence.config import DTYPES, ConfigError, EngineConfig
+from kvfence.config import DTYPES, KV_CACHE_DTYPES, ConfigError, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -33,10 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "integers, as llama.cpp does: faster, but not bit-equal to float32 (see README); bfloat16 "
                         "halves the KV pool and is 2-3x faster at large batches where "
                         "the CPU has AVX-512 BF16 or AMX, but is not bit-equal to float32 (see README)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+    g.add_argument("--kv-cache-dtype", choices=["auto", *KV_CACHE_DTYPES], default="auto",
                    help="KV pool storage: bfloat16 halves its memory and the bytes decode attention reads (math "
-                        "stays fp32); auto takes bfloat16 with --dtype bfloat16 or gguf-int8, else float32. Disaggregated "
-                        "workers must agree")
+                        "stays fp32), fp8 (e4m3, unscaled) quarters them at a larger rounding error; auto takes "
+                        "bfloat16 with --dtype bfloat16 or gguf-int8, else float32. Disaggregated workers must agree")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
                    help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")

@@ -8,6 +8,8 @@ from kvfence.model.config import ModelConfig
 
 GIB = 1024**3
 DTYPES = ("auto", "float32", "gguf", "gguf-int8", "bfloat16")  # the linear layers' weights (model/linear.py)
+# What the KV pool stores; fp8 is e4m3 with no scale factor (as vLLM's fp8 without calibrated scales).
+KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 
 
 class ConfigError(ValueError):
@@ -30,7 +32,7 @@ class EngineConfig:
     kv_scrub: str = "off"              # off | on-free
     attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
     dtype: str = "auto"                # linear weights: auto | float32 | gguf | gguf-int8 | bfloat16 (model/linear.py)
-    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16 or gguf-int8, else float32) | float32 | bfloat16
+    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16 or gguf-int8, else float32) | float32 | bfloat16 | fp8
     prefix_cache: bool = True
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
     seed: int = 0
@@ -71,8 +73,8 @@ class EngineConfig:
     def size_pool(self, model: ModelConfig) -> int:
         """Fills in the KV dtype `auto` stands for and the page count kv_memory_gib holds;
         returns the KV bytes per token. `kvfence check-config` sizes the pool through this too."""
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ConfigError(f"kv_cache_dtype must be auto, float32 or bfloat16, not '{self.kv_cache_dtype}'")
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+            raise ConfigError(f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, not '{self.kv_cache_dtype}'")
         if self.kv_cache_dtype == "auto":  # the exact modes stay exact
             self.kv_cache_dtype = "bfloat16" if self.dtype in ("bfloat16", "gguf-int8") else "float32"
         kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
@@ -82,7 +84,7 @@ class EngineConfig:
 
     @property
     def kv_element_size(self) -> int:
-        return 2 if self.kv_cache_dtype == "bfloat16" else 4
+        return KV_CACHE_DTYPES[self.kv_cache_dtype].itemsize
 
 
 def check_device(device: str) -> None:

@@ -33,17 +33,40 @@ def meta(table, lengths, page_size, kernel):
 
 
 @pytest.mark.parametrize("dim", [64, 128, 48])  # the two head sizes compiled for, and any other
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 # 1 to 8 query heads a KV head: with AVX-512 and 64 dims they go in registers 4 at a time
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (2, 2), (10, 2), (8, 1)])
 def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype, heads, kv_heads):
     lengths = [1, 4, 5, 6, 16, 17, 33, 100]
     q, k, v, table, lens = random_batch(lengths, dim=dim, heads=heads, kv_heads=kv_heads)
     k, v = k.to(cache_dtype), v.to(cache_dtype)
-    ours = kernel(q, k, v, table, lens, 5, 0.125)  # fp32 math and output from either pool
+    ours = kernel(q, k, v, table, lens, 5, 0.125)  # fp32 math and output from any pool
     ref = paged_attention(q, k.float(), v.float(), meta(table, lens, 5, None), scale=0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    assert paged_attention(q, k, v, meta(table, lens, 5, kernel), scale=0.125).dtype == cache_dtype
+    out_dtype = torch.float32 if cache_dtype == torch.float8_e4m3fn else cache_dtype  # fp8: the model's dtype
+    for decode_kernel in (kernel, None):  # the torch path gathers the pool as it is stored too
+        out = paged_attention(q, k, v, meta(table, lens, 5, decode_kernel), scale=0.125)
+        assert out.dtype == out_dtype
+        torch.testing.assert_close(out, ref.to(out_dtype))
+
+
+@pytest.mark.parametrize("dim", [64, 48])  # AVX-512 registers, and the plain loops
+def test_fp8_pool_reads_exactly_the_values_it_holds(kernel, dim):
+    """The kernel widens fp8 e4m3 exactly, over every code (subnormals, the largest, negative
+    zero): with 64 dims (through fp16, scaled once per sum) it gives the bits of an fp32 pool
+    holding the same values; the plain loops, whose vectorized sums the compiler may order
+    otherwise for each pool type, agree to 1e-5 (subnormals read at half their value: 6e-3)."""
+    q, k, v, table, lens = random_batch([1, 7, 40, 130], num_pages=64, dim=dim)
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 0x7f and 0xff are NaN
+    gen = torch.Generator().manual_seed(1)
+    k, v = (codes[torch.randint(len(codes), t.shape, generator=gen)].view(torch.float8_e4m3fn) for t in (k, v))
+    q = q / 1000  # scores of a few units over keys up to 448: softmax far from one-hot
+    ours, ref = kernel(q, k, v, table, lens, 5, 0.125), kernel(q, k.float(), v.float(), table, lens, 5, 0.125)
+    if dim == 64:
+        assert torch.equal(ours, ref)
+    else:
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4)
 
 
 

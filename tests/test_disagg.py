@@ -139,22 +139,24 @@ def test_manifest_checks_catch_every_mismatch():
             verify(Manifest(**{**good, **change}), expected_tokens, pool, sums)
 
 
-def test_bfloat16_pool_pages_arrive_bit_for_bit():
-    """Two agents in one process: a bf16 pool's pages land in other pages, and the receiver's
-    checksums of what landed match the sender's manifest."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_narrow_pool_pages_arrive_bit_for_bit(dtype):
+    """Two agents in one process: a bf16 or fp8 pool's pages land in other pages, and the
+    receiver's checksums of what landed match the sender's manifest."""
     cfg = ModelConfig("llama", 10, 8, 16, 2, 2, 1, 4, 1e4, 1e-5, 64, True)
-    src, dst = KVPool(cfg, 8, 4, dtype=torch.bfloat16), KVPool(cfg, 8, 4, dtype=torch.bfloat16)
-    src.k.normal_()
-    src.v.normal_()
+    src, dst = KVPool(cfg, 8, 4, dtype=dtype), KVPool(cfg, 8, 4, dtype=dtype)
+    for cache in (src.k, src.v):
+        cache.copy_(torch.randn(cache.shape).to(dtype))
     sender, receiver = KVTransfer(src), KVTransfer(dst)
     manifest = sender.manifest("t", [5, 2], 6)  # 6 tokens: a full page of 4, then 2 slots
-    assert manifest.dtype == "bfloat16"
+    assert manifest.dtype == str(dtype).removeprefix("torch.")
     sender.expect("t", timeout=10)
     receiver.read(manifest, [1, 7], timeout=10)
     verify(manifest, 6, dst, receiver.checksums([1, 7], 6))
     for cache_src, cache_dst in ((src.k, dst.k), (src.v, dst.v)):
+        cache_src, cache_dst = cache_src.view(torch.uint8), cache_dst.view(torch.uint8)  # bits
         assert torch.equal(cache_dst[:, 4:8], cache_src[:, 20:24]) and torch.equal(cache_dst[:, 28:30], cache_src[:, 8:10])
-    assert not dst.k[:, 30:32].any()  # the last page's unwritten slots were not sent
+    assert not dst.k.view(torch.uint8)[:, 30:32].any()  # the last page's unwritten slots were not sent
 
 
 def test_truncated_transfer_fails_with_an_error_and_frees_pages(tmp_path):

@@ -64,14 +64,17 @@ def test_unknown_dtype_refused(tiny_llama_dir):
         tiny_engine(tiny_llama_dir, dtype="float16")
 
 
-def test_bfloat16_kv_cache_holds_twice_the_tokens(tiny_llama_dir):
+def test_bfloat16_and_fp8_kv_caches_hold_two_and_four_times_the_tokens(tiny_llama_dir):
     fp32 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01)
     bf16 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="bfloat16")
+    fp8 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="fp8")
     assert fp32.pool.k.dtype == torch.float32 and bf16.pool.k.dtype == bf16.pool.v.dtype == torch.bfloat16
+    assert fp8.pool.k.dtype == fp8.pool.v.dtype == torch.float8_e4m3fn
     assert bf16.allocator.num_pages in (2 * fp32.allocator.num_pages, 2 * fp32.allocator.num_pages + 1)
+    assert 4 * fp32.allocator.num_pages <= fp8.allocator.num_pages <= 4 * fp32.allocator.num_pages + 3
     assert tiny_engine(tiny_llama_dir, dtype="bfloat16").pool.k.dtype == torch.bfloat16  # auto follows --dtype
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32 or bfloat16, not 'fp8'"):
-        tiny_engine(tiny_llama_dir, kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32, bfloat16 or fp8, not 'int8'"):
+        tiny_engine(tiny_llama_dir, kv_cache_dtype="int8")
 
 
 def test_start_accepted_when_pool_holds_exactly_the_context(tiny_llama_dir):
@@ -282,14 +285,15 @@ def test_unsupported_models_get_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("scrub", ["off", "on-free"])
-def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub):
-    engine = tiny_engine(tiny_llama_dir, kv_scrub=scrub, prefix_cache=False)
+@pytest.mark.parametrize("kv_cache_dtype", ["float32", "fp8"])
+def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub, kv_cache_dtype):
+    engine = tiny_engine(tiny_llama_dir, kv_scrub=scrub, prefix_cache=False, kv_cache_dtype=kv_cache_dtype)
     (req,) = engine.add_request(list(range(5, 30)), SamplingParams(max_tokens=4, **GREEDY))
     engine.step()
     pages = list(req.block_table)
     run_all(engine)
     k = engine.pool.k.view(engine.pool.k.shape[0], -1, 4, *engine.pool.k.shape[2:])[:, pages]
-    assert (k.abs().sum() == 0) == (scrub == "on-free")
+    assert (not k.view(torch.uint8).any()) == (scrub == "on-free")  # every byte zero
 
 
 @pytest.mark.parametrize("env, imports, expected", [

@@ -37,7 +37,7 @@ def test_silu_mul_matches_torch(ops, dtype):
 
 
 @pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
     gen = torch.Generator().manual_seed(3)
     rows, heads, kv_heads, dim = 11, 6, 2, 64
@@ -50,9 +50,9 @@ def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
     ref = TorchOps.rope_write_kv(qkv, cos, sin, caches[2], caches[3], slots, heads)
     assert ours.dtype == torch.float32 and ours.shape == (rows, heads, dim)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    tol = 1e-5 if cache_dtype == torch.float32 else 1e-2
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float8_e4m3fn: 0.07}[cache_dtype]
     torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=tol, rtol=tol)  # the keys
-    assert torch.equal(caches[1], caches[3])  # the values, copied (and rounded) alike
+    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))  # the values, copied (and rounded) alike
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert not caches[0][untouched].any() and not caches[1][untouched].any()
@@ -97,3 +97,25 @@ def test_bad_inputs_are_refused(ops):
         with pytest.raises(RuntimeError, match="slot outside the pool"):
             ops.rope_write_kv(qkv, cos, sin, cache, cache.clone(), torch.tensor([0, slot]), 1)
     assert not cache.any()  # checked before anything is written
+
+
+def test_fp8_writes_round_to_nearest_even_and_saturate_like_torch(ops):
+    """Every e4m3 value, every midpoint between two (ties go to the even code), subnormals,
+    values past 448 and infinities: the kernel's integer rounding gives torch's bytes."""
+    fp8 = torch.float8_e4m3fn
+    values = torch.arange(256, dtype=torch.uint8).view(fp8).float()
+    values = values[values.isfinite()].unique()
+    midpoints = (values[1:] + values[:-1]) / 2
+    gen = torch.Generator().manual_seed(5)
+    spread = torch.cat([torch.randn(4000, generator=gen) * s for s in (1e-3, 3e-2, 1.0, 100.0)])
+    x = torch.cat([values, midpoints, -midpoints, spread, torch.tensor([449.0, 464.0, 1e9, -1e9, torch.inf, -torch.inf])])
+    x = torch.cat([x, torch.zeros(-x.numel() % 64)]).view(-1, 1, 64)
+    rows = x.shape[0]
+    qkv = torch.cat([torch.zeros(rows, 2 * 64), x.view(rows, 64)], dim=1)  # one query head, one KV head: the values
+    v_ours, v_ref = (torch.zeros(rows, 1, 64, dtype=fp8) for _ in range(2))
+    ones, zeros = torch.ones(rows, 64), torch.zeros(rows, 64)
+    ops.rope_write_kv(qkv, ones, zeros, torch.zeros(rows, 1, 64, dtype=fp8), v_ours, torch.arange(rows), 1)
+    TorchOps.rope_write_kv(qkv, ones, zeros, torch.zeros(rows, 1, 64, dtype=fp8), v_ref, torch.arange(rows), 1)
+    assert torch.equal(v_ours.view(torch.uint8), v_ref.view(torch.uint8))
+    assert torch.equal(v_ours.view(torch.uint8), x.clamp(-448, 448).to(fp8).view(torch.uint8))
+    assert v_ours.float().abs().max() == 448

@@ -7,7 +7,7 @@ import uuid
 import torch
 
 from kvfence import faults, openmp
-from kvfence.config import EngineConfig
+from kvfence.config import KV_CACHE_DTYPES, EngineConfig
 from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import RequestOutput
@@ -54,7 +54,7 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids) or {t for t in [self.tokenizer.eos_token_id] if t is not None}
         self.max_model_len = config.max_model_len
         self.pool = KVPool(model_config, config.num_kv_pages, config.page_size, config.device,
-                           getattr(torch, config.kv_cache_dtype))
+                           KV_CACHE_DTYPES[config.kv_cache_dtype])
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,

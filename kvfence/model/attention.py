@@ -45,21 +45,23 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q: [T, H, D]; caches: [slots, KVH, D], fp32 or bf16. Returns [T, H, D] in the caches'
-    dtype (zero for padding rows). Decode math is fp32; prefill runs in `prefill_dtype`, the
-    model's: under fp32 layers a bf16 pool is widened as it is read, since CPUs without bf16
-    arithmetic run bf16 attention several times slower."""
+    """q: [T, H, D]; caches: [slots, KVH, D], fp32, bf16 or fp8. Returns [T, H, D] in the
+    caches' dtype, or the model's (`prefill_dtype`) for an fp8 pool (zero for padding rows).
+    Decode math is fp32; prefill runs in `prefill_dtype`, the model's: under fp32 layers a bf16
+    pool is widened as it is read, since CPUs without bf16 arithmetic run bf16 attention
+    several times slower."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     rd = meta.num_decode
+    out_dtype = prefill_dtype if k_cache.dtype == torch.float8_e4m3fn else k_cache.dtype
     if rd and meta.decode_kernel is not None:
         qd = q if rd == num_rows else q[:rd]
         decoded = meta.decode_kernel(qd.float().contiguous(), k_cache, v_cache, meta.decode_block_table,
                                      meta.decode_lens, meta.page_size, scale)
         if rd == num_rows:  # a decode-only step: nothing else to fill in
-            return decoded if decoded.dtype == k_cache.dtype else decoded.to(k_cache.dtype)
-    out = torch.zeros_like(q, dtype=k_cache.dtype)
+            return decoded if decoded.dtype == out_dtype else decoded.to(out_dtype)
+    out = torch.zeros_like(q, dtype=out_dtype)
     if rd:
         if meta.decode_kernel is not None:
             out[:rd] = decoded

@@ -12,6 +12,16 @@ from kvfence.model.linear import Linear
 from kvfence.model.loader import Weights
 
 
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[slots] = values in the cache's dtype. fp8 saturates at its largest finite value
+    (as the CPU kernel does) and goes in as bytes: index_copy_ has no fp8 kernels."""
+    if cache.dtype == torch.float8_e4m3fn:
+        fp8_max = torch.finfo(cache.dtype).max
+        cache.view(torch.uint8).index_copy_(0, slots, values.clamp(-fp8_max, fp8_max).to(cache.dtype).view(torch.uint8))
+    else:
+        cache.index_copy_(0, slots, values.to(cache.dtype))
+
+
 class TorchOps:
     """What csrc/fused.cpp computes, in PyTorch ops: for GPUs, and CPUs without a compiler."""
 
@@ -35,8 +45,8 @@ class TorchOps:
         # RoPE on the query and key heads at once: they lie side by side in qkv.
         qk = qkv[:, :qk_width].view(rows, -1, head_dim)
         qk = qk * cos[:, None] + qk.roll(head_dim // 2, -1) * sin[:, None]
-        k_cache.index_copy_(0, slots, qk[:, num_heads:].to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, qkv[:, qk_width:].view(rows, num_kv_heads, head_dim).to(v_cache.dtype))
+        write_slots(k_cache, slots, qk[:, num_heads:])
+        write_slots(v_cache, slots, qkv[:, qk_width:].view(rows, num_kv_heads, head_dim))
         return qk[:, :num_heads]
 
 

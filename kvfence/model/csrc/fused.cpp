@@ -3,7 +3,8 @@
 // PyTorch runs them as several ops, each a pass over memory with its own overhead, and at
 // a batch of 512 rows they cost as much as attention. Rows are independent (one thread
 // computes a whole row, the same way at any batch size), so batch invariance holds.
-// Activations are fp32 or bf16 (rounded to nearest even); math is fp32.
+// Activations are fp32 or bf16 (rounded to nearest even), the KV pool fp32, bf16 or fp8; math
+// is fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,7 +14,7 @@
 #include <tuple>
 #include <vector>
 
-#include "bf16.h"
+#include "elements.h"
 
 namespace {
 
@@ -102,7 +103,7 @@ void round_to_bf16(torch::Tensor& x) {
 }  // namespace
 
 // qkv [M, (H + 2 KVH) D] (fp32 or bf16) -> RoPE'd queries [M, H, D] fp32; RoPE'd keys and the
-// values go straight into the pool (fp32 or bf16, [slots, KVH, D]) at slots[m].
+// values go straight into the pool (fp32, bf16 or fp8 e4m3, [slots, KVH, D]) at slots[m].
 torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                             torch::Tensor k_cache, torch::Tensor v_cache, const torch::Tensor& slots, int64_t num_heads) {
   TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous(), "qkv: contiguous [M, (H + 2 KVH) D]");
@@ -125,8 +126,11 @@ torch::Tensor rope_write_kv(const torch::Tensor& qkv, const torch::Tensor& cos, 
     else if (k_cache.scalar_type() == torch::kBFloat16)
       rope_rows(in, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(),
                 v_cache.data_ptr<at::BFloat16>(), slot, q.data_ptr<float>(), M, H, KVH, D);
+    else if (k_cache.scalar_type() == torch::kFloat8_e4m3fn)
+      rope_rows(in, cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<at::Float8_e4m3fn>(),
+                v_cache.data_ptr<at::Float8_e4m3fn>(), slot, q.data_ptr<float>(), M, H, KVH, D);
     else
-      TORCH_CHECK(false, "caches: fp32 or bf16");
+      TORCH_CHECK(false, "caches: fp32, bf16 or fp8 e4m3");
   };
   if (qkv.scalar_type() == torch::kFloat32)
     run(qkv.data_ptr<float>());
