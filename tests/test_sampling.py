@@ -62,6 +62,31 @@ def test_penalties_reduce_repetition(real_llm):
     assert distinct(penalized.token_ids) > distinct(plain.token_ids)
 
 
+def test_logit_bias_bans_and_forces_tokens_of_one_request_only(real_llm):
+    prompt = "The capital of France is"
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = real_llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    comma = real_llm.tokenizer.encode(",", add_special_tokens=False)[0]
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0})
+    forced = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logit_bias={comma: 100.0})
+    outs = real_llm.generate([prompt] * 3, [greedy, banned, forced])
+    assert outs[0].outputs[0].token_ids == plain  # a neighbour's bias does not leak into this row
+    assert outs[1].outputs[0].token_ids[0] != plain[0]
+    assert outs[2].outputs[0].token_ids == [comma] * 6
+
+
+def test_repetition_penalty_and_min_p(real_llm):
+    prompt = "Repeat after me: hello hello hello hello hello"
+    plain = one(real_llm, prompt, temperature=0, max_tokens=24, ignore_eos=True)[0]
+    penalized = one(real_llm, prompt, temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8)[0]
+    hello = set(real_llm.tokenizer.encode(" hello", add_special_tokens=False))
+    assert sum(t in hello for t in penalized.token_ids) < sum(t in hello for t in plain.token_ids)
+    # min_p = 1 keeps only the most likely token: sampling becomes greedy whatever the seed
+    greedy = one(real_llm, temperature=0, max_tokens=12)[0]
+    only_top = one(real_llm, temperature=1.5, min_p=1.0, seed=9, max_tokens=12)[0]
+    assert only_top.token_ids == greedy.token_ids
+
+
 def test_n_completions_with_seed(real_llm):
     outs = one(real_llm, temperature=1.0, n=3, seed=5, max_tokens=12)
     assert [o.index for o in outs] == [0, 1, 2]

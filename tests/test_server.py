@@ -87,6 +87,19 @@ def test_stop_n_and_seed(client):
     assert a.usage.completion_tokens == 48
 
 
+def test_logit_bias_through_the_openai_client(client, server):
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                      logprobs=1)
+    first = tokenize(server, plain.choices[0].logprobs.tokens[0])[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4,
+                                       temperature=0, logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+    assert tokenize(server, banned.choices[0].text)[0] != first
+    with pytest.raises(openai.BadRequestError, match="tool calling is not supported"):
+        client.chat.completions.create(model=MODEL, messages=CAPITAL, max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
+
+
 def test_tokenize_detokenize_round_trip(server):
     h = {"Authorization": f"Bearer {ALICE}"}
     tokens = httpx.post(server + "/tokenize", json={"prompt": "héllo wörld"}, headers=h).json()["tokens"]
@@ -144,6 +157,21 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
                               "top_logprobs": 50}, None, 400, "logprobs"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "stop": ["x"] * 40}, None, 400, "stop"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"x": 1}}, None, 400, "logit_bias.x"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"99999": 1}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "repetition_penalty": 0}, None, 400,
+     "repetition_penalty"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "min_p": 1.5}, None, 400, "min_p"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "suffix": "end"}, None, 400, "suffix"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "echo": True}, None, 400, "echo"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "stream_options": {"include_usage": True}}, None, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, None, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
+                              "functions": [{"name": "f"}]}, None, 400, "functions"),
     ("/v1/completions", {"model": "smollm2", "prompt": [1, 2, 999999]}, None, 400, "prompt"),
     ("/v1/completions", {"model": "smollm2", "prompt": [1, -2]}, None, 400, "prompt"),
     ("/v1/completions", {"model": "smollm2", "prompt": "bad \ud800 surrogate"}, None, 400, "invalid_encoding"),

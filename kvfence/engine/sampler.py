@@ -1,21 +1,38 @@
-"""Turns logits into the next token of each request: penalties, temperature, top-k,
-top-p, seeded sampling, and log-probabilities of the raw model distribution."""
+"""Turns logits into the next token of each request: logit bias, penalties, temperature,
+top-k, top-p, min-p, seeded sampling, and log-probabilities of the raw model distribution."""
 import torch
 
 from kvfence.engine.request import Request
 from kvfence.model.kernels import fused_ops
 
 
-def has_penalties(req: Request) -> bool:
-    return bool((req.params.presence_penalty or req.params.frequency_penalty) and req.output_token_ids)
-
-
-def apply_penalties(logits: torch.Tensor, req: Request) -> torch.Tensor:
+def adjusts_logits(req: Request) -> bool:
     p = req.params
-    if not has_penalties(req):
+    return bool(p.logit_bias or p.repetition_penalty != 1.0
+                or ((p.presence_penalty or p.frequency_penalty) and req.output_token_ids))
+
+
+def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """logit_bias, then the repetition penalty over prompt and output (as in Hugging Face
+    and vLLM: positive logits divided, negative ones multiplied), then the OpenAI
+    presence and frequency penalties over the output."""
+    p = req.params
+    if not adjusts_logits(req):
         return logits
-    counts = torch.bincount(torch.tensor(req.output_token_ids), minlength=logits.shape[-1]).to(logits.dtype)
-    return logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=logits.device)
+        logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
+                                                       device=logits.device))
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(req.all_token_ids, device=logits.device).unique()
+        old = logits[seen]
+        logits = logits.index_copy(0, seen, torch.where(old > 0, old / p.repetition_penalty,
+                                                        old * p.repetition_penalty))
+    if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
+        counts = torch.bincount(torch.tensor(req.output_token_ids, device=logits.device),
+                                minlength=logits.shape[-1]).to(logits.dtype)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -> int:
@@ -33,6 +50,8 @@ def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     return int(torch.multinomial(probs, 1, generator=req.generator or generator))
 
 
@@ -45,11 +64,11 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
     results = []
-    plain_greedy = [req.params.greedy and not has_penalties(req) for req in requests]
+    plain_greedy = [req.params.greedy and not adjusts_logits(req) for req in requests]
     # One argmax over the whole batch instead of one per row: most requests are greedy.
     argmax = greedy_tokens(logits) if any(plain_greedy) else [None] * len(requests)
     for row, req, plain, best in zip(logits, requests, plain_greedy, argmax):
-        token = best if plain else sample_one(apply_penalties(row, req), req, generator)
+        token = best if plain else sample_one(adjust_logits(row, req), req, generator)
         entry = None
         if req.params.logprobs is not None:
             logprobs = torch.log_softmax(row, dim=-1)

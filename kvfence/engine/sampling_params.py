@@ -30,6 +30,9 @@ class SamplingParams:
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     skip_special_tokens: bool = True
 
@@ -55,6 +58,12 @@ class SamplingParams:
               "seed must be an integer in [0, 2**63)")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
+              f"logit_bias keys must be token ids in [0, {vocab_size})")
+        check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
+              "logit_bias values must be in [-100, 100]")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")

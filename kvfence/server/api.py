@@ -220,6 +220,7 @@ async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
     tenant = s.tenant(request)
     body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest, s.max_body_bytes)
     s.check_model(body.model)
+    s._translate(body.check_supported)
     if chat:
         try:
             text = apply_chat_template(s.tokenizer, body.conversation())
@@ -227,8 +228,6 @@ async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompts = await s.tokenize_prompts(text)
     else:
-        if body.echo:
-            raise APIError(400, "echo is not supported", param="echo")
         prompts = await s.tokenize_prompts(body.prompt)
     return Prepared(body, chat, prompts, body.sampling_params(), tenant)
 

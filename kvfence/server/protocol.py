@@ -1,9 +1,9 @@
 """OpenAI request bodies, strictly typed, and their translation into SamplingParams."""
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, Strict
 
-from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 
 
 class _Body(BaseModel):
@@ -27,6 +27,10 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    # JSON object keys are strings: token ids arrive as "123"
+    logit_bias: dict[Annotated[int, Strict(False)], float] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -40,7 +44,13 @@ class _SamplingFields(_Body):
             top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=stop,
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            logprobs=logprobs)
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_p=self.min_p or 0.0, logit_bias=dict(self.logit_bias or {}), logprobs=logprobs)
+
+    def check_supported(self) -> None:
+        """Fields this server knows but does not implement fail loudly instead of being ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
 
 
 class CompletionRequest(_SamplingFields):
@@ -48,6 +58,17 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.echo:
+            raise InvalidRequest("echo is not supported", "echo")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("best_of is not supported; ask for n completions instead", "best_of")
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs)
@@ -75,6 +96,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    functions: list[dict] | None = None
+    response_format: dict | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if (self.tools or self.functions) and self.tool_choice != "none":
+            raise InvalidRequest("tool calling is not supported; send no tools, or tool_choice: \"none\"",
+                                 "tools" if self.tools else "functions")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidRequest(f"response_format '{kind}' is not supported; only 'text' is", "response_format")
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
