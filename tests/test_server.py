@@ -100,6 +100,22 @@ def test_logit_bias_through_the_openai_client(client, server):
             {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}])
 
 
+def test_null_fields_take_their_defaults(server):
+    """Clients that serialize unset fields send null: n, stream, echo and logprobs then keep
+    their defaults, and max_tokens: null means up to the context (here cut by a stop token)."""
+    h = {"Authorization": f"Bearer {ALICE}"}
+    nulls = {"n": None, "stream": None, "echo": None, "logprobs": None, "stop": None, "temperature": None,
+             "ignore_eos": None, "logit_bias": None, "user": None, "stream_options": None}
+    r = httpx.post(server + "/v1/completions", headers=h, timeout=60, json={
+        "model": MODEL, "prompt": "Count: 1, 2, 3,", "max_tokens": 3, **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] == 3
+    r = httpx.post(server + "/v1/chat/completions", headers=h, timeout=60, json={
+        "model": MODEL, "messages": CAPITAL, "max_tokens": None, "stop_token_ids": [2], **nulls})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "stop" and r.json()["choices"][0]["logprobs"] is None
+
+
 def test_tokenize_detokenize_round_trip(server):
     h = {"Authorization": f"Bearer {ALICE}"}
     tokens = httpx.post(server + "/tokenize", json={"prompt": "héllo wörld"}, headers=h).json()["tokens"]

@@ -1,7 +1,8 @@
 """OpenAI request bodies, strictly typed, and their translation into SamplingParams."""
-from typing import Annotated, Literal
+import types
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 
@@ -9,6 +10,18 @@ from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do; known ones are strictly typed.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """Clients send null for a field they leave unset; a field with no meaning for null
+        (n, stream, ...) then takes its default. Where null means something (max_tokens: no
+        limit but the context), it stays."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if v is not None or k not in fields or types.NoneType in get_args(fields[k].annotation)}
 
 
 class StreamOptions(_Body):
