@@ -102,6 +102,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
             app.state.transfer = KVTransfer(server.engine.pool, f"kvfence-{args.role}-{args.port}")
             app.state.http = worker_client()
+        log.info("%s on http://%s:%d: %s", args.role, args.host, args.port, server.engine.describe())
         return server
 
     app = create_app(build, role=args.role)

@@ -90,6 +90,9 @@ def test_clean_server_passes_an_adversarial_audit(tmp_path):
     finally:
         stop_server(proc)
     assert code == 0, report
+    log = (tmp_path / f"server-{base.rsplit(':', 1)[1]}.log").read_text()
+    assert f"unified on {base}: SmolLM2-135M-Instruct.Q4_1: dtype gguf, KV pool float32 40 pages x 16 tokens " \
+           "(640 tokens), max_model_len 512" in log, "the start-up line tells the operator what runs"
     assert len(aborted) == 6
     assert float(preemptions[0].split()[1]) > 0, "the audit's load should have forced preemption"
     assert {"boundary", "consistency", "canary leak", "timing and accounting"} <= set(report["passed"])

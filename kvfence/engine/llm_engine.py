@@ -74,6 +74,15 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.rejected: dict[str, int] = {}
 
+    def describe(self) -> str:
+        """One line on what this engine runs, for the start-up log."""
+        c = self.config
+        return (f"{self.model_name}: dtype {c.dtype}, KV pool {c.kv_cache_dtype} {c.num_kv_pages} pages x "
+                f"{c.page_size} tokens ({self.pool.capacity_tokens} tokens), max_model_len {c.max_model_len}, "
+                f"max_num_seqs {c.max_num_seqs}, attention {'kernel' if self.runner.decode_kernel else 'torch'}, "
+                f"sentinel {c.kv_sentinel}, scrub {c.kv_scrub}, prefix cache {'on' if c.prefix_cache else 'off'}, "
+                f"{torch.get_num_threads()} threads on {c.device}")
+
     # --- admission ------------------------------------------------------------------
 
     def tokenize(self, prompt: str) -> list[int]:
