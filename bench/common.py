@@ -72,15 +72,16 @@ def flops_per_token(cfg, with_lm_head: bool = True) -> float:
     return 2.0 * total
 
 
-def run_kvfence(llm, workload) -> dict:
-    """Submits (prompt ids, output length) pairs at once (greedy, EOS ignored) and steps the
-    engine until all finish. Also times generation alone: the steps once every prompt is in.
+def run_kvfence(llm, workload, temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Submits (prompt ids, output length) pairs at once (greedy unless a temperature is
+    given; EOS ignored) and steps the engine until all finish. Also times generation alone: the steps once every prompt is in.
     The prefix cache starts empty, so that a workload run again is not served from it."""
     engine = llm.engine
     if engine.prefix_cache is not None:
         engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
     for prompt, out_len in workload:
-        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True))
+        engine.add_request(prompt, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=out_len,
+                                                  ignore_eos=True))
     generated, generation_tokens, generation_s = 0, 0, 0.0
     start = time.perf_counter()
     while engine.has_unfinished():

@@ -7,17 +7,19 @@ Runs inside its own virtualenv (pip compiles llama.cpp: 6-20 minutes on 2 cores)
     VENV/bin/python bench/llamacpp_peer.py --model MODEL.gguf --workload W.json
 
 llama-cpp-python runs one request at a time (its server serializes requests behind a lock),
-so the requests of a workload run one after another: prefill, then greedy tokens until the
+so the requests of a workload run one after another: prefill, then tokens (greedy unless
+--temperature) until the
 request's output length (EOS ignored), on the same threads for both. See
 bench/peer_protocol.py for the protocol.
 """
 from peer_protocol import arguments, serve
 
 
-def generate(llm, workload) -> int:
+def generate(llm, workload, temperature: float, top_p: float) -> int:
     tokens = 0
     for ids, n in workload:
-        for i, _ in enumerate(llm.generate(ids, temp=0.0, reset=True), 1):  # greedy; never stops by itself
+        # top_k 0 and min_p 0: no cut but top_p, as the other engines; never stops by itself
+        for i, _ in enumerate(llm.generate(ids, temp=temperature, top_p=top_p, top_k=0, min_p=0.0, reset=True), 1):
             if i == n:
                 break
         tokens += n
@@ -32,7 +34,8 @@ def main() -> None:
 
     serve(lambda: llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
                                   n_threads_batch=args.threads, verbose=False),
-          generate, args.workload, f"llama-cpp-python {llama_cpp.__version__}")
+          lambda llm, workload: generate(llm, workload, args.temperature, args.top_p), args.workload,
+          f"llama-cpp-python {llama_cpp.__version__}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,8 @@ def arguments(doc: str, model_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--model", required=True, help=model_help)
     ap.add_argument("--workload", required=True)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     return ap
 
 

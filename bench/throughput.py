@@ -58,7 +58,7 @@ def hf_model(model_path: Path):
     return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32)
 
 
-def run_transformers(model, workload, batch_size: int, device: str) -> dict:
+def run_transformers(model, workload, batch_size: int, device: str, temperature: float, top_p: float) -> dict:
     ordered = sorted(workload, key=lambda w: w[1])
     generated, t = 0, time.perf_counter()
     for i in range(0, len(ordered), batch_size):
@@ -68,8 +68,10 @@ def run_transformers(model, workload, batch_size: int, device: str) -> dict:
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in chunk], device=device)
         new = max(n for _, n in chunk)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=0).tolist()  # waits for the device
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else {
+                "do_sample": False}
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, pad_token_id=0,
+                           **sampling).tolist()  # waits for the device
         generated += sum(n for _, n in chunk)  # only the tokens each request asked for count
     elapsed = time.perf_counter() - t
     return {"requests": len(workload), "batch_size": batch_size, "output_tokens": generated,
@@ -120,6 +122,7 @@ def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> di
     """{name: Peer}: one vLLM engine for each of --vllm-dtypes, and llama-cpp-python on the
     first --llamacpp-requests requests of the mixed workload, all started before any measurement."""
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+    common = ["--threads", str(args.threads), "--temperature", str(args.temperature), "--top-p", str(args.top_p)]
     (tmp / "workload.json").write_text(json.dumps(workloads))
     peers = {}
     if args.vllm_python:
@@ -131,13 +134,13 @@ def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> di
             dtype, _, kv_cache_dtype = spec.partition(":")
             name = f"vllm-{dtype}" + (f"-kv-{kv_cache_dtype}" if kv_cache_dtype else "")
             peers[name] = Peer(args.vllm_python, "vllm_peer.py", [
-                "--model", str(tmp / "model"), "--workload", str(tmp / "workload.json"), "--threads", str(args.threads),
+                "--model", str(tmp / "model"), "--workload", str(tmp / "workload.json"), *common,
                 "--max-num-seqs", str(args.max_num_seqs), "--dtype", dtype, "--kv-cache-dtype", kv_cache_dtype or "auto"])
             stack.callback(peers[name].close)
     if args.llamacpp_python:
         (tmp / "serial.json").write_text(json.dumps({"mixed": workloads["mixed"][:args.llamacpp_requests]}))
         peers["llama-cpp-python"] = Peer(args.llamacpp_python, "llamacpp_peer.py", [
-            "--model", str(model_path), "--workload", str(tmp / "serial.json"), "--threads", str(args.threads)])
+            "--model", str(model_path), "--workload", str(tmp / "serial.json"), *common])
         stack.callback(peers["llama-cpp-python"].close)
     return peers
 
@@ -198,6 +201,9 @@ def main() -> None:
     ap.add_argument("--llamacpp-python", default=None,
                     help="python of a virtualenv with llama-cpp-python: run it on the mixed workload, one request at a time")
     ap.add_argument("--llamacpp-requests", type=int, default=32, help="llama-cpp-python runs the first N requests")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sample at this temperature in every engine (transformers included); 0: greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -218,7 +224,8 @@ def main() -> None:
         engines[f"kvfence-{config.dtype}-kv-{config.kv_cache_dtype}"] = llm
     model_path = next(iter(engines.values())).engine.model_path
     cfg = next(iter(engines.values())).engine.model_config
-    report = {"machine": machine_line(args.device), "rounds": []}
+    report = {"machine": machine_line(args.device), "rounds": [],
+              "sampling": f"temperature {args.temperature}, top_p {args.top_p}" if args.temperature else "greedy"}
     with ExitStack() as stack:
         peers = start_peers(stack, args, model_path, workloads)
         report["peers"] = {name: peer.info for name, peer in peers.items()}
@@ -226,10 +233,12 @@ def main() -> None:
         # Round after round, every tool runs every workload: the machine's drift then reaches
         # all of them alike, and each round gives its own ratios.
         for _ in range(args.rounds):
-            row = {name: {w: run_kvfence(llm, items) for w, items in workloads.items()} for name, llm in engines.items()}
+            row = {name: {w: run_kvfence(llm, items, args.temperature, args.top_p) for w, items in workloads.items()}
+                   for name, llm in engines.items()}
             row.update({name: {w: peer.run(w) for w in peer.info["workloads"]} for name, peer in peers.items()})
             if hf is not None:
-                runs = [run_transformers(hf, workloads["mixed"][:args.hf_requests], int(b), args.device)
+                runs = [run_transformers(hf, workloads["mixed"][:args.hf_requests], int(b), args.device,
+                                         args.temperature, args.top_p)
                         for b in args.hf_batch_sizes.split(",")]
                 row["transformers"] = {"mixed": max(runs, key=lambda r: r["tok_s"]), "all_batch_sizes": runs}
             report["rounds"].append(row)
@@ -256,7 +265,8 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
     rounds = report["rounds"]
     median = lambda tool, w: statistics.median(r[tool][w]["tok_s"] for r in rounds)  # noqa: E731
     peak = report["matmul_peak_gflops"]
-    print(f"machine: {report['machine']}; {len(rounds)} rounds, each tool in turn; medians over the rounds")
+    print(f"machine: {report['machine']}; {len(rounds)} rounds, each tool in turn; medians over the rounds; "
+          f"{report['sampling']}")
     print(f"fp32 matmul peak measured: {peak:.1f} GFLOP/s (median of "
           f"{listed(report['matmul_peaks_gflops'])})")
     if "matmul_peak_gflops_bfloat16" in report:

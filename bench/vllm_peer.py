@@ -11,7 +11,7 @@ torch, and vLLM fails at start-up while they are installed):
     VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 The engine starts once and warms up; then it runs the workloads named on stdin, each
-submitted at once (greedy, EOS ignored): see bench/peer_protocol.py. Both cores bound
+submitted at once (greedy unless --temperature, EOS ignored): see bench/peer_protocol.py. Both cores bound
 (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU default, fast where
 the CPU has AMX). An idle vLLM stops spinning after a second.
 """
@@ -20,12 +20,12 @@ import os
 from peer_protocol import arguments, serve
 
 
-def generate(llm, workload) -> int:
+def generate(llm, workload, temperature: float, top_p: float) -> int:
     from vllm import SamplingParams
 
     llm.reset_prefix_cache()  # as kvfence's bench runs: a workload run again starts cold
     prompts = [{"prompt_token_ids": ids} for ids, _ in workload]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for _, n in workload]
+    params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=n, ignore_eos=True) for _, n in workload]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs)
 
@@ -44,7 +44,7 @@ def main() -> None:
 
     serve(lambda: vllm.LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1024,
                            max_num_seqs=args.max_num_seqs, seed=0),
-          generate, args.workload, f"vllm {vllm.__version__} cpu {args.dtype} kv {args.kv_cache_dtype}")
+          lambda llm, workload: generate(llm, workload, args.temperature, args.top_p), args.workload, f"vllm {vllm.__version__} cpu {args.dtype} kv {args.kv_cache_dtype}")
 
 
 if __name__ == "__main__":

@@ -35,48 +35,110 @@ def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
     return logits
 
 
-def sample_one(logits: torch.Tensor, req: Request, generator: torch.Generator) -> int:
-    p = req.params
-    if p.greedy:
-        return int(torch.argmax(logits))
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=req.generator or generator))
-
-
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (its first maximum); the CPU kernel's is several times faster than torch's."""
     ops = fused_ops(logits.device.type)
     return (logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits.contiguous())).tolist()
 
 
+CHUNK = 256  # tokens per chunk when drawing: the mass of each chunk, then a walk within one
+
+
+def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token where the cumulative mass passes u x the row's mass (u in [0, 1)):
+    chunk masses first, then a cumulative sum inside one chunk, so the row is read once
+    instead of being summed token after token. The token picked always has mass."""
+    rows, vocab = probs.shape
+    if vocab % CHUNK:
+        probs = torch.nn.functional.pad(probs, (0, -vocab % CHUNK))
+    chunks = probs.view(rows, -1, CHUNK)
+    cdf = chunks.sum(-1).cumsum(-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    chunk = torch.searchsorted(cdf, target, right=True)
+    before = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(total))
+    inside = chunks[torch.arange(rows, device=probs.device), chunk[:, 0]].cumsum(-1)
+    rest = torch.minimum(target - before, torch.nextafter(inside[:, -1:], torch.zeros_like(total)))
+    return chunk[:, 0] * CHUNK + torch.searchsorted(inside, rest, right=True)[:, 0]
+
+
+def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return t if rows == list(range(len(t))) else t[rows]  # indexing copies: skip it for all rows
+
+
+def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[int]:
+    """Samples one token per row of `logits`: temperature, top-k, top-p over what top-k
+    keeps, then min-p. Each draw takes one uniform number from the request's own generator
+    (seeded ones) or the engine's, and every step is row by row, so a seeded request draws
+    the same tokens in any batch.
+
+    Top-p without sorting the vocabulary: a token is in the nucleus when the tokens more
+    likely than it hold less than top_p of the mass. Draw from the whole distribution and
+    keep the token if it is in; if not, neither is any token as unlikely, so drop those
+    and draw again (rejection sampling: the kept draws follow the nucleus exactly)."""
+    params = [req.params for req in requests]
+    on = dict(dtype=logits.dtype, device=logits.device)
+    probs = torch.softmax(logits / torch.tensor([p.temperature for p in params], **on)[:, None], dim=-1)
+    top_k = [j for j, p in enumerate(params) if 0 < p.top_k < probs.shape[-1]]
+    if top_k:
+        ks = torch.tensor([params[j].top_k for j in top_k], device=logits.device)
+        floor = torch.zeros(len(params), **on)
+        floor[top_k] = torch.topk(rows_of(probs, top_k), int(ks.max())).values.gather(1, (ks - 1)[:, None])[:, 0]
+        probs.masked_fill_(probs < floor[:, None], 0.0)
+    nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
+    if nucleus:
+        limit = torch.tensor([params[j].top_p for j in nucleus], **on) * rows_of(probs, nucleus).sum(-1)
+    # min-p once the nucleus's mass is known: it drops only tokens less likely than any it
+    # keeps, so the nucleus test of a drawn token sees the same mass above it
+    if any(p.min_p > 0.0 for p in params):
+        floor = torch.tensor([p.min_p for p in params], **on) * probs.max(dim=-1).values
+        probs.masked_fill_(probs < floor[:, None], 0.0)
+
+    def uniforms(rows) -> torch.Tensor:
+        return torch.stack([torch.rand((), generator=requests[j].generator or generator) for j in rows]).to(**on)
+
+    tokens = draw(probs, uniforms(range(len(params))))
+    pending = torch.tensor(nucleus, dtype=torch.long, device=logits.device)
+    while len(pending):
+        rows = probs[pending]
+        drawn = rows.gather(1, tokens[pending][:, None])
+        outside = torch.where(rows > drawn, rows, 0.0).sum(-1) >= limit
+        pending, limit = pending[outside], limit[outside]
+        if len(pending):
+            rows, drawn = rows[outside], drawn[outside]
+            probs[pending] = rows.masked_fill_(rows <= drawn, 0.0)
+            tokens[pending] = draw(rows, uniforms(pending.tolist()))
+    return tokens.tolist()
+
+
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
-    results = []
-    plain_greedy = [req.params.greedy and not adjusts_logits(req) for req in requests]
+    plain = [req.params.greedy and not adjusts_logits(req) for req in requests]
     # One argmax over the whole batch instead of one per row: most requests are greedy.
-    argmax = greedy_tokens(logits) if any(plain_greedy) else [None] * len(requests)
-    for row, req, plain, best in zip(logits, requests, plain_greedy, argmax):
-        token = best if plain else sample_one(adjust_logits(row, req), req, generator)
-        entry = None
-        if req.params.logprobs is not None:
-            logprobs = torch.log_softmax(row, dim=-1)
-            top = torch.topk(logprobs, req.params.logprobs) if req.params.logprobs else None
-            entry = {
-                "token_id": token,
-                "logprob": float(logprobs[token]),
-                "top": [] if top is None else [(int(i), float(v)) for v, i in zip(top.values, top.indices)],
-            }
-        results.append((token, entry))
+    tokens = greedy_tokens(logits) if any(plain) else [None] * len(requests)
+    drawn = []
+    for i, req in enumerate(requests):
+        if req.params.greedy and not plain[i]:  # greedy with a bias or penalties
+            tokens[i] = int(torch.argmax(adjust_logits(logits[i], req)))
+        elif not req.params.greedy:
+            drawn.append(i)
+    if drawn:
+        if any(adjusts_logits(requests[i]) for i in drawn):
+            rows = torch.stack([adjust_logits(logits[i], requests[i]) for i in drawn])
+        else:
+            rows = rows_of(logits, drawn)
+        for i, token in zip(drawn, sample_rows(rows, [requests[i] for i in drawn], generator)):
+            tokens[i] = token
+    results = [(token, None) for token in tokens]
+    wanted = [i for i, req in enumerate(requests) if req.params.logprobs is not None]
+    if wanted:
+        logprobs = torch.log_softmax(rows_of(logits, wanted), dim=-1)
+        for row, i in zip(logprobs, wanted):
+            k = requests[i].params.logprobs
+            top = torch.topk(row, k) if k else None
+            results[i] = (tokens[i], {
+                "token_id": tokens[i],
+                "logprob": float(row[tokens[i]]),
+                "top": [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)],
+            })
     return results
