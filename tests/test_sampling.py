@@ -73,6 +73,13 @@ def test_seeded_sampling_draws_the_same_tokens_in_any_batch():
     assert len(set(drawn_alone)) > 3  # it samples
 
 
+def test_tiny_temperatures_are_greedy():
+    logits = torch.randn(3, 1000) * 5
+    for temperature in (1e-6, 1e-30, 1e-45):
+        reqs = requests_for([SamplingParams(temperature=temperature, top_p=0.9)] * 3)
+        assert [t for t, _ in sample(logits, reqs, torch.Generator())] == logits.argmax(-1).tolist()
+
+
 def test_seed_reproduces_exactly(real_llm):
     params = dict(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)
     a = one(real_llm, seed=1234, **params)[0]

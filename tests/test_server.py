@@ -176,7 +176,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"x": 1}}, None, 400, "logit_bias.x"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"99999": 1}}, None, 400, "logit_bias"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"5": 101}}, None, 400, "logit_bias"),
-    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "repetition_penalty": 0}, None, 400,
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "repetition_penalty": 1e-45}, None, 400,
      "repetition_penalty"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "min_p": 1.5}, None, 400, "min_p"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "best_of": 3}, None, 400, "best_of"),

@@ -5,6 +5,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
+GREEDY_BELOW = 1e-5  # temperatures under it are greedy, as in vLLM: dividing logits by them overflows
 
 
 class InvalidRequest(ValueError):
@@ -38,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -58,7 +59,8 @@ class SamplingParams:
               "seed must be an integer in [0, 2**63)")
         check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
-        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in (0, 2]")
+        # from 0.01: dividing a logit by less could overflow it
+        check(0.01 <= self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in [0.01, 2]")
         check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
               f"logit_bias keys must be token ids in [0, {vocab_size})")
