@@ -98,16 +98,14 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.
         return torch.stack([torch.rand((), generator=requests[j].generator or generator) for j in rows]).to(**on)
 
     tokens = draw(probs, uniforms(range(len(params))))
-    pending = torch.tensor(nucleus, dtype=torch.long, device=logits.device)
-    while len(pending):
-        rows = probs[pending]
+    pending, rows = nucleus, rows_of(probs, nucleus)  # the rows whose last draw is not yet known to be in
+    while pending:
         drawn = rows.gather(1, tokens[pending][:, None])
         outside = torch.where(rows > drawn, rows, 0.0).sum(-1) >= limit
-        pending, limit = pending[outside], limit[outside]
-        if len(pending):
-            rows, drawn = rows[outside], drawn[outside]
-            probs[pending] = rows.masked_fill_(rows <= drawn, 0.0)
-            tokens[pending] = draw(rows, uniforms(pending.tolist()))
+        pending = [j for j, out in zip(pending, outside.tolist()) if out]
+        if pending:
+            rows, drawn, limit = rows[outside], drawn[outside], limit[outside]  # copies: probs stays as it was
+            tokens[pending] = draw(rows.masked_fill_(rows <= drawn, 0.0), uniforms(pending))
     return tokens.tolist()
 
 
