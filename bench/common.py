@@ -49,6 +49,58 @@ def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32, de
     return best
 
 
+FMA_LOOP = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX512F__)
+typedef float vec __attribute__((vector_size(64)));
+#else
+typedef float vec __attribute__((vector_size(32)));
+#endif
+constexpr int kChains = 12;  // independent multiply-adds in flight: more than latency x pipes
+// Every thread runs `iterations` rounds of kChains vector FMAs; returns the FLOPs done.
+double fma_loop(int64_t iterations) {
+  const int threads = at::get_num_threads();
+  std::vector<float> sink(threads);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      vec acc[kChains], a, b;
+      for (int i = 0; i < kChains; ++i) acc[i] = vec{} + (1.f + static_cast<float>(i));
+      a = vec{} + 0.999999f;
+      b = vec{} + 1e-7f;
+      for (int64_t n = 0; n < iterations; ++n) {
+#pragma GCC unroll 12
+        for (int i = 0; i < kChains; ++i) acc[i] = acc[i] * a + b;  // one FMA each, in registers
+      }
+      for (int i = 1; i < kChains; ++i) acc[0] += acc[i];
+      sink[t] = acc[0][0];
+    }
+  });
+  volatile float keep = sink[0];
+  (void)keep;
+  return 2.0 * kChains * (sizeof(vec) / sizeof(float)) * iterations * threads;
+}
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("fma_loop", &fma_loop); }
+"""
+
+
+def fma_peak_gflops(repeats: int = 5) -> float:
+    """The cores' own fp32 peak: every thread runs independent chains of vector fused
+    multiply-adds, the widest the CPU has (compiled here with -march=native). On AMD CPUs
+    MKL's GEMM, which matmul_peak_gflops times, reaches well under half of it."""
+    from torch.utils.cpp_extension import load_inline
+
+    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+    module = load_inline("kvfence_bench_fma", FMA_LOOP, extra_cflags=flags, extra_ldflags=["-fopenmp"])
+    module.fma_loop(1_000_000)
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        flops = module.fma_loop(20_000_000)
+        rates.append(flops / (time.perf_counter() - t) / 1e9)
+    return statistics.median(rates)
+
+
 def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10, device: str = "cpu") -> float:
     """GB/s of streaming a tensor far larger than the caches once (a sum over it), median."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)

@@ -14,9 +14,11 @@ on the first --llamacpp-requests of the mixed workload (bench/llamacpp_peer.py).
 engine is started first; then, round after round, each runs the workloads in turn, so
 drift on a shared machine reaches them alike.
 Prints the median output tokens/s of each, the median of the per-round ratios, the fp32
-matmul peak measured here and the mixed workload's matmul rate as a fraction of it, and
-kvfence's batch-64 and batch-1 decode rates (medians of three) as fractions of that peak
-and of the memory roof (weight bytes per token over the read bandwidth measured here).
+matmul peak measured here (torch.matmul's best GEMM) and the cores' fp32 FMA peak (a loop
+of independent vector FMAs: on AMD CPUs MKL's GEMM reaches well under half of it), the
+mixed workload's matmul rate as a fraction of both, and kvfence's batch-64 and batch-1
+decode rates (medians of three) as fractions of those peaks and of the memory roof (weight
+bytes per token over the read bandwidth measured here).
 """
 import argparse
 import json
@@ -29,8 +31,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (flops_per_token, machine_line, matmul_peak_gflops, mixed_workload,  # noqa: E402
-                    read_bandwidth_gbs, run_kvfence)
+from common import (fma_peak_gflops, flops_per_token, machine_line, matmul_peak_gflops,  # noqa: E402
+                    mixed_workload, read_bandwidth_gbs, run_kvfence)
 
 from kvfence import LLM, SamplingParams  # noqa: E402
 import torch  # noqa: E402 - after kvfence (see common.py)
@@ -252,6 +254,8 @@ def main() -> None:
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
     if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
         report["matmul_peak_gflops_bfloat16"] = peak_of(torch.bfloat16)
+    if args.device == "cpu":
+        report["fma_peak_gflops"] = fma_peak_gflops()
     print_report(report, engines, workload_flops(cfg, workloads["mixed"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
@@ -271,6 +275,11 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
           f"{listed(report['matmul_peaks_gflops'])})")
     if "matmul_peak_gflops_bfloat16" in report:
         print(f"bf16 matmul peak measured: {report['matmul_peak_gflops_bfloat16']:.1f} GFLOP/s")
+    fma = report.get("fma_peak_gflops")
+    if fma:
+        print(f"fp32 FMA peak of the cores (independent vector FMAs on every thread): {fma:.1f} GFLOP/s; "
+              f"the matmul peak is {100 * peak / fma:.0f}% of it")
+    of_fma = lambda gflops: f", {100 * gflops / fma:.0f}% of the FMA peak" if fma else ""  # noqa: E731
     for tool in rounds[0]:
         for w in ("mixed", "batch64"):
             if w in rounds[0][tool]:
@@ -294,12 +303,13 @@ def print_report(report: dict, engines: dict, mixed_flops: float) -> None:
         rate = mixed_flops / seconds / 1e9
         of_bf16 = (f", {100 * rate / report['matmul_peak_gflops_bfloat16']:.0f}% of the bf16 peak"
                    if engines[name].engine.config.dtype == "bfloat16" else "")
-        print(f"{name}: mixed workload matmuls at {100 * rate / peak:.0f}% of the fp32 peak{of_bf16} "
+        print(f"{name}: mixed workload matmuls at {100 * rate / peak:.0f}% of the fp32 peak{of_fma(rate)}{of_bf16} "
               f"({mixed_flops / 1e12:.1f} TFLOP in {seconds:.1f} s; attention not counted)")
         d = report[name]
         print(f"{name}: decode batch 64 {d['decode64_tok_s']:.1f} tok/s (median of "
               f"{listed(d['decode64_runs'])}) = {100 * d['decode64_peak_fraction']:.0f}% of the "
-              f"fp32 peak; batch 1 {d['decode1_tok_s']:.1f} tok/s (median of "
+              f"fp32 peak{of_fma(d['decode64_peak_fraction'] * peak)}; "
+              f"batch 1 {d['decode1_tok_s']:.1f} tok/s (median of "
               f"{listed(d['decode1_runs'])}) = {100 * d['decode1_tok_s'] / d['decode1_roof_tok_s']:.0f}% "
               f"of the memory roof ({d['decode1_roof_tok_s']:.1f} tok/s: {d['weight_bytes'] / 1e6:.0f} MB of weights "
               f"per token at {d['read_bandwidth_gbs']:.1f} GB/s, the median of "
