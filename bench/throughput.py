@@ -212,6 +212,7 @@ def main() -> None:
 
     peak_of = lambda dtype=torch.float32: matmul_peak_gflops(dtype=dtype, device=args.device)  # noqa: E731
     peaks = [peak_of()]
+    fma_peak = fma_peak_gflops() if args.device == "cpu" else None  # first: a build failure shows at once
     workloads = {"mixed": mixed_workload(args.num_requests, args.seed),
                  "batch64": [(ids, 128) for ids, _ in mixed_workload(64, args.seed + 1, prompt=(128, 128))]}
     engines = {}
@@ -226,7 +227,7 @@ def main() -> None:
         engines[f"kvfence-{config.dtype}-kv-{config.kv_cache_dtype}"] = llm
     model_path = next(iter(engines.values())).engine.model_path
     cfg = next(iter(engines.values())).engine.model_config
-    report = {"machine": machine_line(args.device), "rounds": [],
+    report = {"machine": machine_line(args.device), "rounds": [], "fma_peak_gflops": fma_peak,
               "sampling": f"temperature {args.temperature}, top_p {args.top_p}" if args.temperature else "greedy"}
     with ExitStack() as stack:
         peers = start_peers(stack, args, model_path, workloads)
@@ -254,8 +255,6 @@ def main() -> None:
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
     if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
         report["matmul_peak_gflops_bfloat16"] = peak_of(torch.bfloat16)
-    if args.device == "cpu":
-        report["fma_peak_gflops"] = fma_peak_gflops()
     print_report(report, engines, workload_flops(cfg, workloads["mixed"]))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
