@@ -8,9 +8,8 @@ Runs inside its own virtualenv (pip compiles llama.cpp: 6-20 minutes on 2 cores)
 
 llama-cpp-python runs one request at a time (its server serializes requests behind a lock),
 so the requests of a workload run one after another: prefill, then tokens (greedy unless
---temperature) until the
-request's output length (EOS ignored), on the same threads for both. See
-bench/peer_protocol.py for the protocol.
+--temperature) until the request's output length (EOS ignored), on the same threads for
+both. See bench/peer_protocol.py for the protocol.
 """
 from peer_protocol import arguments, serve
 
@@ -34,8 +33,7 @@ def main() -> None:
 
     serve(lambda: llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
                                   n_threads_batch=args.threads, verbose=False),
-          lambda llm, workload: generate(llm, workload, args.temperature, args.top_p), args.workload,
-          f"llama-cpp-python {llama_cpp.__version__}")
+          generate, args, f"llama-cpp-python {llama_cpp.__version__}")
 
 
 if __name__ == "__main__":

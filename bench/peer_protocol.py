@@ -36,15 +36,16 @@ def timed(run) -> tuple[object, float]:
     return result, time.perf_counter() - t
 
 
-def serve(start, generate, workload_file: str, name: str) -> None:
+def serve(start, generate, args: argparse.Namespace, name: str) -> None:
     """Starts the engine (start() returns it) and warms it up on one request; replies ready
-    with its start-up time and the names of its workloads; then runs each workload named on stdin through
-    generate(engine, workload), which returns the number of output tokens."""
-    workloads = json.load(open(workload_file))
+    with its start-up time and the names of its workloads (args.workload's file); then runs
+    each workload named on stdin through generate(engine, workload, args.temperature,
+    args.top_p), which returns the number of output tokens."""
+    workloads = json.load(open(args.workload))
     engine, startup = timed(start)
-    generate(engine, workloads["mixed"][:1])
+    generate(engine, workloads["mixed"][:1], args.temperature, args.top_p)
     reply({"name": name, "startup_s": startup, "workloads": list(workloads)})
     for line in sys.stdin:
         workload = workloads[line.strip()]
-        tokens, seconds = timed(lambda: generate(engine, workload))
+        tokens, seconds = timed(lambda: generate(engine, workload, args.temperature, args.top_p))
         reply({"requests": len(workload), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds})

@@ -11,9 +11,9 @@ torch, and vLLM fails at start-up while they are installed):
     VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
 
 The engine starts once and warms up; then it runs the workloads named on stdin, each
-submitted at once (greedy unless --temperature, EOS ignored): see bench/peer_protocol.py. Both cores bound
-(VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU default, fast where
-the CPU has AMX). An idle vLLM stops spinning after a second.
+submitted at once (greedy unless --temperature, EOS ignored): see bench/peer_protocol.py.
+Both cores bound (VLLM_CPU_OMP_THREADS_BIND); --dtype float32 or bfloat16 (vLLM's CPU
+default, fast where the CPU has AMX). An idle vLLM stops spinning after a second.
 """
 import os
 
@@ -44,7 +44,7 @@ def main() -> None:
 
     serve(lambda: vllm.LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=1024,
                            max_num_seqs=args.max_num_seqs, seed=0),
-          lambda llm, workload: generate(llm, workload, args.temperature, args.top_p), args.workload, f"vllm {vllm.__version__} cpu {args.dtype} kv {args.kv_cache_dtype}")
+          generate, args, f"vllm {vllm.__version__} cpu {args.dtype} kv {args.kv_cache_dtype}")
 
 
 if __name__ == "__main__":

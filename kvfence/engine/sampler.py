@@ -111,7 +111,8 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.
 
 def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
-    plain = [req.params.greedy and not adjusts_logits(req) for req in requests]
+    adjusted = [adjusts_logits(req) for req in requests]
+    plain = [req.params.greedy and not adj for req, adj in zip(requests, adjusted)]
     # One argmax over the whole batch instead of one per row: most requests are greedy.
     tokens = greedy_tokens(logits) if any(plain) else [None] * len(requests)
     drawn = []
@@ -121,7 +122,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
         elif not req.params.greedy:
             drawn.append(i)
     if drawn:
-        if any(adjusts_logits(requests[i]) for i in drawn):
+        if any(adjusted[i] for i in drawn):
             rows = torch.stack([adjust_logits(logits[i], requests[i]) for i in drawn])
         else:
             rows = rows_of(logits, drawn)
