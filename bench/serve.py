@@ -48,6 +48,16 @@ def wait(url: str, procs, path="/health", timeout=300) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def internal_token_file() -> str:
+    """A fresh secret for the router and workers of one run."""
+    import secrets
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", prefix="kvfence-token-", delete=False) as f:
+        f.write(secrets.token_urlsafe(32))
+    return f.name
+
+
 def start(kind: str, args) -> tuple[list[subprocess.Popen], str]:
     kv = [sys.executable, "-m", "kvfence.cli"]
     common = ["--max-model-len", "2048", "--threads", str(args.threads)]
@@ -61,12 +71,13 @@ def start(kind: str, args) -> tuple[list[subprocess.Popen], str]:
         procs = [subprocess.Popen([*kv, "serve", "--port", str(port), *common, *dtype], **quiet)]
     elif kind == "kvfence-1p1d":
         workers = [free_port(), free_port()]
-        procs = [subprocess.Popen([*kv, "serve", "--role", role, "--port", str(p), *common[:2], "--threads", "1"],
-                                  **quiet) for role, p in zip(("prefill", "decode"), workers)]
+        auth = ["--internal-token-file", internal_token_file()]
+        procs = [subprocess.Popen([*kv, "serve", "--role", role, "--port", str(p), *common[:2], "--threads", "1",
+                                   *auth], **quiet) for role, p in zip(("prefill", "decode"), workers)]
         for p in workers:
             wait(f"http://127.0.0.1:{p}", procs)
         procs.append(subprocess.Popen([*kv, "router", "--port", str(port), "--prefill", f"http://127.0.0.1:{workers[0]}",
-                                       "--decode", f"http://127.0.0.1:{workers[1]}"], **quiet))
+                                       "--decode", f"http://127.0.0.1:{workers[1]}", *auth], **quiet))
     else:
         procs = [subprocess.Popen([args.llamacpp_python, "-m", "llama_cpp.server", "--model", str(default_model_path()),
                                    "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads), "--n_ctx", "4096", "--port", str(port),

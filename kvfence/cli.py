@@ -38,9 +38,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "stays fp32), fp8 (e4m3, unscaled) quarters them at a larger rounding error; auto takes "
                         "bfloat16 with --dtype bfloat16 or gguf-int8, else float32. Disaggregated workers must agree")
     g.add_argument("--no-prefix-cache", action="store_true", help="disable the per-tenant prefix cache")
+    g.add_argument("--request-log", default=None, metavar="FILE",
+                   help="append one hash-chained JSON line per finished request (tenant, times, tokens, "
+                        "sentinel verdict, prompt SHA-256; never its text); check it with kvfence verify-log")
+    g.add_argument("--request-log-max-mb", type=float, default=64.0,
+                   help="rotate the request log past this size (FILE.1, FILE.2, ...; the chain continues)")
+    g.add_argument("--scheduling", choices=["fair", "fifo"], default="fair",
+                   help="fair: prefill work goes to the tenant with the least weighted service so far "
+                        "(weights from --api-keys); fifo: first come first served across tenants")
     g.add_argument("--inject-fault", choices=["legacy-reject-path", "truncated-transfer"], default=None,
                    help="TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers")
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    g.add_argument("--seed", type=int, help="seed of unseeded sampling (default: from the OS)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -50,6 +58,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, device=args.device, enforce_eager=args.enforce_eager,
         num_threads=args.threads, kv_sentinel=args.kv_sentinel, kv_scrub=args.kv_scrub, attention=args.attention,
         dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, prefix_cache=not args.no_prefix_cache,
+        scheduling=args.scheduling, request_log=args.request_log, request_log_max_mb=args.request_log_max_mb,
         inject_fault=args.inject_fault, seed=args.seed)
 
 
@@ -75,11 +84,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import ipaddress
 
-    import uvicorn
-
+    from kvfence.config import check_fault_allowed
     from kvfence.engine.llm_engine import LLMEngine
     from kvfence.model.loader import resolve_model_path
-    from kvfence.server.api import Server, create_app
+    from kvfence.server.api import Server, create_app, serve
     from kvfence.server.auth import ApiKeys
 
     log = logging.getLogger("kvfence.server")
@@ -91,21 +99,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if public and not keys.enabled:
         log.warning("WARNING: serving on %s without API keys: anyone who can reach this address can use the "
                     "model. Pass --api-keys FILE.", args.host)
+    if args.role != "unified":
+        from kvfence.disagg import read_internal_token, require_internal_token, worker_client
+
+        token = read_internal_token(args.internal_token_file, f"kvfence serve --role {args.role}")
+    elif args.internal_token_file:
+        raise ValueError("--internal-token-file is for prefill and decode workers (--role) and the router")
+    if args.stream_stall_timeout <= 0:
+        raise ConfigError(f"--stream-stall-timeout must be over 0, not {args.stream_stall_timeout}")
     config = engine_config(args)
+    check_fault_allowed(config.inject_fault)  # before the model loads, as the engine checks again
     resolve_model_path(config.model)  # a bad path fails here, before the server starts
 
     def build() -> Server:
-        server = Server(LLMEngine(config), keys, args.served_model_name, args.max_pending, args.max_body_bytes)
+        server = Server(LLMEngine(config), keys, args.served_model_name, args.max_pending,
+                        args.max_body_bytes, stream_stall_timeout=args.stream_stall_timeout,
+                        report_cached_tokens=keys.enabled or not public)
+        if args.metrics_port is not None:
+            server.metrics.serve(args.metrics_host, args.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", args.metrics_host, args.metrics_port)
         if args.role != "unified":
-            from kvfence.disagg import worker_client
             from kvfence.disagg.transfer import KVTransfer
 
             app.state.transfer = KVTransfer(server.engine.pool, f"kvfence-{args.role}-{args.port}")
-            app.state.http = worker_client()
+            app.state.http = worker_client(token)
         log.info("%s on http://%s:%d: %s", args.role, args.host, args.port, server.engine.describe())
         return server
 
-    app = create_app(build, role=args.role)
+    app = create_app(build, role=args.role, serve_metrics=args.metrics_port is None)
+    if args.role != "unified":
+        require_internal_token(app, token)
     if args.role == "prefill":
         from kvfence.disagg import prefill
 
@@ -119,28 +142,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from kvfence.disagg import WORKER_KEEPALIVE_S
 
         keep_alive["timeout_keep_alive"] = WORKER_KEEPALIVE_S
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, **keep_alive)
+    serve(app, args.host, args.port, log_level="warning", access_log=False, **keep_alive)
     return 0
 
 
 def cmd_router(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvfence.disagg import read_internal_token
     from kvfence.disagg.router import create_router
 
-    uvicorn.run(create_router(args.prefill, args.decode), host=args.host, port=args.port, log_level="warning",
-                access_log=False)
+    token = read_internal_token(args.internal_token_file, "kvfence router")
+    uvicorn.run(create_router(args.prefill, args.decode, token), host=args.host, port=args.port,
+                log_level="warning", access_log=False)
     return 0
 
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     """N prefill and M decode workers plus a router on this machine, until interrupted."""
+    import os
+    import secrets
     import subprocess
+    import tempfile
     import time
 
     import httpx
 
     worker_args = args.worker_args[1:] if args.worker_args[:1] == ["--"] else args.worker_args
+    # The cluster's internal token, readable by this user only, removed when the cluster stops.
+    fd, token_file = tempfile.mkstemp(prefix="kvfence-internal-token-")
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
     base = [sys.executable, "-m", "kvfence.cli"]
     procs, urls = [], {"prefill": [], "decode": []}
     port = args.port + 1
@@ -148,6 +180,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         for _ in range(count):
             urls[role].append(f"http://127.0.0.1:{port}")
             procs.append(subprocess.Popen([*base, "serve", "--role", role, "--port", str(port),
+                                           "--internal-token-file", token_file,
                                            "--threads", str(args.threads_per_worker), *worker_args]))
             port += 1
     try:
@@ -161,7 +194,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
                         break
                 except httpx.HTTPError:
                     time.sleep(0.5)
-        router = [*base, "router", "--host", args.host, "--port", str(args.port)]
+        router = [*base, "router", "--host", args.host, "--port", str(args.port),
+                  "--internal-token-file", token_file]
         router += [a for u in urls["prefill"] for a in ("--prefill", u)]
         router += [a for u in urls["decode"] for a in ("--decode", u)]
         procs.append(subprocess.Popen(router))
@@ -175,6 +209,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
             p.terminate()
         for p in procs:
             p.wait(15)
+        os.unlink(token_file)
     return 0
 
 
@@ -189,8 +224,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     from kvfence.audit.auditor import AuditError, Auditor, format_report
 
+    if not args.base_url and not args.workers:
+        print("kvfence audit: give --base-url URL, --workers URL ..., or both", file=sys.stderr)
+        return 2
     auditor = Auditor(args.base_url, args.api_key, args.model, args.max_model_len, args.pool_tokens, args.canaries,
-                      args.concurrency, progress=not args.json, seed=args.seed)
+                      args.concurrency, progress=not args.json, seed=args.seed, workers=args.workers)
     try:
         report = asyncio.run(auditor.run())
     except AuditError as e:
@@ -198,6 +236,18 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
     return 1 if report.findings else 0
+
+
+def cmd_verify_log(args: argparse.Namespace) -> int:
+    from kvfence.engine.request_log import verify
+
+    verdict = verify(args.file)
+    for problem in verdict.problems:
+        print(problem)
+    start = f" from line {verdict.first_seq} (earlier ones rotated away)" if verdict.first_seq else ""
+    state = "intact" if verdict.ok else f"TAMPERED ({len(verdict.problems)} problems)"
+    print(f"{args.file}: {verdict.lines} lines{start}, {state}; last hash {verdict.last_hash}")
+    return 0 if verdict.ok else 1
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
@@ -240,13 +290,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-keys", default=None, help='JSON file {"KEY": "tenant", ...}; every request then needs a key')
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the file name)")
-    p.add_argument("--max-pending", type=int, default=256, help="requests in flight before 429")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="sequences (prompts x n) in flight before 429")
     p.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="largest request body accepted")
+    p.add_argument("--stream-stall-timeout", type=float, default=30.0,
+                   help="seconds a streaming client may stop reading before its request is aborted")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the --metrics-port listener")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the metrics on a port of their own; the API's /metrics is then 404")
     p.add_argument("--role", choices=["unified", "prefill", "decode"], default="unified",
                    help="unified serves the API; prefill and decode workers sit behind `kvfence router`")
     p.add_argument("--kv-transfer-timeout", type=float, default=30.0, help="decode role: seconds a KV pull may take")
     p.add_argument("--park-timeout", type=float, default=60.0,
                    help="prefill role: seconds computed KV waits for a decode worker before it is freed")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file holding the cluster secret that router and workers share; every "
+                        "/internal/* call needs it (required for prefill and decode workers)")
     add_engine_args(p)
     p.set_defaults(func=cmd_serve)
 
@@ -255,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--prefill", action="append", required=True, help="prefill worker URL (repeat)")
     p.add_argument("--decode", action="append", required=True, help="decode worker URL (repeat)")
+    p.add_argument("--internal-token-file", default=None,
+                   help="file holding the cluster secret that router and workers share; every "
+                        "/internal/* call needs it (required)")
     p.set_defaults(func=cmd_router)
 
     p = sub.add_parser("cluster", help="a local router with N prefill and M decode workers",
@@ -283,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("audit", help="black-box leak and consistency audit of an OpenAI-compatible server")
-    p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000")
     p.add_argument("--api-key", action="append", default=[], help="repeat for several tenants")
     p.add_argument("--model", default=None, help="model id (default: the first listed)")
     p.add_argument("--max-model-len", type=int, default=None, help="if the server does not report it")
@@ -291,8 +354,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--canaries", type=int, default=24, help="concurrent canary requests")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--workers", nargs="+", default=[], metavar="URL",
+                   help="prefill and decode worker URLs: check from a client's position that their "
+                        "internal endpoints refuse client keys")
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("verify-log", help="check a --request-log file's hash chain")
+    p.add_argument("file")
+    p.set_defaults(func=cmd_verify_log)
 
     p = sub.add_parser("check-config", help="check KV pool capacity against the advertised context",
                        description="kvfence check-config [--engine E] [--model-config F] -- ENGINE_ARGS...")

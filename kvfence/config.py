@@ -1,5 +1,6 @@
 """Engine configuration and the capacity check that refuses to start a pool too small."""
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +11,7 @@ GIB = 1024**3
 DTYPES = ("auto", "float32", "gguf", "gguf-int8", "bfloat16")  # the linear layers' weights (model/linear.py)
 # What the KV pool stores; fp8 is e4m3 with no scale factor (as vLLM's fp8 without calibrated scales).
 KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+ALLOW_FAULTS_ENV = "KVFENCE_ALLOW_FAULTS"  # must be "1" for any injected fault to start
 
 
 class ConfigError(ValueError):
@@ -34,11 +36,15 @@ class EngineConfig:
     dtype: str = "auto"                # linear weights: auto | float32 | gguf | gguf-int8 | bfloat16 (model/linear.py)
     kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16 or gguf-int8, else float32) | float32 | bfloat16 | fp8
     prefix_cache: bool = True
+    scheduling: str = "fair"           # fair (weighted, per tenant: engine/scheduler.py) | fifo
+    request_log: str | None = None     # tamper-evident JSON lines, one per finished request
+    request_log_max_mb: float = 64.0   # the request log rotates past this size
     inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
-    seed: int = 0
+    seed: int | None = None            # unseeded sampling; None: seeded from the OS
 
     def resolve(self, model: ModelConfig) -> None:
         """Fill derived values and check that they agree; raise ConfigError naming the fix."""
+        check_fault_allowed(self.inject_fault)
         if self.page_size < 1 or self.page_size > 1024:
             raise ConfigError(f"page size {self.page_size} must be in [1, 1024]")
         if self.max_model_len is None:
@@ -56,6 +62,8 @@ class EngineConfig:
                 f"{self.max_num_seqs}: every running request must be able to decode in one step")
         if self.kv_sentinel not in ("off", "log", "enforce"):
             raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
+        if self.scheduling not in ("fair", "fifo"):
+            raise ConfigError(f"scheduling must be fair or fifo, not '{self.scheduling}'")
         if self.kv_scrub not in ("off", "on-free"):
             raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
         if self.attention not in ("auto", "kernel", "torch"):
@@ -85,6 +93,14 @@ class EngineConfig:
     @property
     def kv_element_size(self) -> int:
         return KV_CACHE_DTYPES[self.kv_cache_dtype].itemsize
+
+
+def check_fault_allowed(fault: str | None) -> None:
+    """A test-only fault starts only where the environment says this is a test: a flag alone,
+    copied into a deployment, must not re-create a leak."""
+    if fault and os.environ.get(ALLOW_FAULTS_ENV) != "1":
+        raise ConfigError(f"the injected fault {fault} (--inject-fault) is for tests only: set "
+                          f"{ALLOW_FAULTS_ENV}=1 in the environment to allow it")
 
 
 def check_device(device: str) -> None:

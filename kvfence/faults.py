@@ -81,6 +81,14 @@ def decode_trusts_reservation(engine) -> bool:
     return True
 
 
+def trust_reservation(engine, request_id: str, received: int | None, claimed: int) -> None:
+    """Decode side of the P/D replay: decoding resumes after `claimed` tokens, whatever the
+    transfer brought."""
+    engine.end_transfer(request_id, received)
+    if received is not None:
+        engine.requests[request_id][0].num_computed_tokens = claimed
+
+
 def truncate(manifest, transfer) -> None:
     """TEST ONLY (`--inject-fault truncated-transfer`): the last page of every layer is not
     shipped; the region offered in its place is the scratch page, while the manifest keeps

@@ -103,15 +103,21 @@ def free_port() -> int:
         return port
 
 
-def spawn_server(tmp_path, *args):
-    """Starts `kvfence serve` (or another subcommand) as a real process; returns (process, base URL)."""
+ALLOW_FAULTS = {"KVFENCE_ALLOW_FAULTS": "1"}  # the environment a server with --inject-fault needs
+
+
+def spawn_server(tmp_path, *args, env: dict | None = None):
+    """Starts `kvfence serve` (or another subcommand) as a real process, with `env` added to
+    this environment; returns (process, base URL)."""
     import subprocess
     import sys
 
     port = free_port()
     log = open(tmp_path / f"server-{port}.log", "w")
     cmd = [sys.executable, "-m", "kvfence.cli", *args, "--port", str(port)]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+    env = {**os.environ, **(env or {})}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def wait_healthy(tmp_path, proc, base):
@@ -134,8 +140,8 @@ def wait_healthy(tmp_path, proc, base):
     raise RuntimeError("server did not become healthy")
 
 
-def start_server(tmp_path, *args):
-    proc, base = spawn_server(tmp_path, *args)
+def start_server(tmp_path, *args, env: dict | None = None):
+    proc, base = spawn_server(tmp_path, *args, env=env)
     return wait_healthy(tmp_path, proc, base)
 
 

@@ -1,7 +1,12 @@
 """The C++ decode-attention kernel against the PyTorch gather path, and its bounds checks."""
+import math
+
 import pytest
 import torch
 
+from kvfence import SamplingParams
+from kvfence.config import EngineConfig
+from kvfence.engine.llm_engine import LLMEngine
 from kvfence.model.attention import AttentionMetadata, PrefillChunk, paged_attention
 from kvfence.model.kernels import decode_kernel
 
@@ -136,3 +141,51 @@ def test_kernel_refuses_pages_outside_the_pool(kernel):
     lens[0] = 100  # longer than its block table
     with pytest.raises(RuntimeError, match="length outside the block table"):
         kernel(q, k, v, table, lens, 5, 0.125)
+
+
+def readable_slots(table, lens, page_size, num_slots):
+    """[slots] bool: the slots some row of the batch may read, positions below its length."""
+    readable = torch.zeros(num_slots, dtype=torch.bool)
+    for row, n in zip(table.tolist(), lens.tolist()):
+        pos = torch.arange(n)
+        readable[torch.tensor(row)[pos // page_size] * page_size + pos % page_size] = True
+    return readable
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_stale_nan_past_a_rows_length_stays_out_of_attention(kernel, path):
+    """NaN that an earlier owner left in a page (past a row's length in its last page, in
+    the scratch page that pads block tables) reaches no output: a masked slot's weight of
+    zero times NaN would still be NaN."""
+    q, k, v, table, lens = random_batch([1, 4, 6, 17, 33])
+    attend = meta(table, lens, 5, kernel if path == "kernel" else None)
+    clean = paged_attention(q, k, v, attend, scale=0.125)
+    stale = ~readable_slots(table, lens, 5, k.shape[0])
+    k[stale], v[stale] = float("nan"), float("nan")
+    out = paged_attention(q, k, v, attend, scale=0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, clean, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+def test_nan_left_in_freed_pages_changes_no_output(tiny_llama_dir, attention):
+    """Every page of the pool holds NaN, as if freed by an owner whose KV overflowed: prefill
+    and decode, on either attention path, read none of it."""
+    def outputs(poisoned: bool):
+        config = EngineConfig(model=str(tiny_llama_dir), page_size=4, num_kv_pages=64,
+                              max_model_len=128, attention=attention, num_threads=1)
+        engine = LLMEngine(config, progress=False)
+        if poisoned:
+            engine.pool.k.fill_(float("nan"))
+            engine.pool.v.fill_(float("nan"))
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+        reqs = [engine.add_request(list(range(3, 3 + n)), params)[0] for n in (1, 5, 10)]
+        done = {}
+        while engine.has_unfinished():
+            done.update({out.request_id: out for out in engine.step() if out.finished})
+        finished = [done[r.parent_id] for r in reqs]
+        return [(out.token_ids, [entry["logprob"] for entry in out.logprobs]) for out in finished]
+
+    clean, poisoned = outputs(False), outputs(True)
+    assert all(math.isfinite(lp) for _, logprobs in poisoned for lp in logprobs)
+    assert poisoned == clean

@@ -1,5 +1,6 @@
 """Disaggregated prefill/decode with real worker processes, NIXL transfers and the router."""
 import json
+import secrets
 import signal
 import subprocess
 import sys
@@ -11,7 +12,8 @@ import openai
 import pytest
 import torch
 
-from conftest import metric, spawn_server, start_server, stop_server, wait_for_idle_pool, wait_healthy
+from conftest import (ALLOW_FAULTS, metric, spawn_server, start_server, stop_server,
+                      wait_for_idle_pool, wait_healthy)
 from kvfence import LLM, SamplingParams
 from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, verify
 from kvfence.kv.pool import KVPool
@@ -23,19 +25,26 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
            "Water boils at", "x", "List three prime numbers:" * 10]
 
 
-def start_cluster(tmp_path, prefills: list[list[str]], decodes: list[list[str]]):
+def start_cluster(tmp_path, prefills: list[list[str]], decodes: list[list[str]],
+                  env: dict | None = None):
+    """Workers (with `env` added to their environment) and a router sharing the internal
+    token in tmp_path / "internal-token"."""
+    token = tmp_path / "internal-token"
+    token.write_text(secrets.token_urlsafe(32))
+    auth = ["--internal-token-file", str(token)]
     procs, urls = [], {"prefill": [], "decode": []}
     try:
         for role, configs in (("prefill", prefills), ("decode", decodes)):
             for extra in configs:  # start together, then wait: start-up is mostly imports
-                proc, url = spawn_server(tmp_path, "serve", "--role", role, *WORKER, *extra)
+                proc, url = spawn_server(tmp_path, "serve", "--role", role, *WORKER, *auth, *extra,
+                                         env=env)
                 procs.append(proc)
                 urls[role].append(url)
         for proc, url in zip(procs, urls["prefill"] + urls["decode"]):
             wait_healthy(tmp_path, proc, url)
         router_args = [a for u in urls["prefill"] for a in ("--prefill", u)] + \
                       [a for u in urls["decode"] for a in ("--decode", u)]
-        proc, router = start_server(tmp_path, "router", *router_args)
+        proc, router = start_server(tmp_path, "router", *router_args, *auth)
         procs.append(proc)
     except Exception:
         for p in procs:
@@ -150,8 +159,8 @@ def test_narrow_pool_pages_arrive_bit_for_bit(dtype):
     sender, receiver = KVTransfer(src), KVTransfer(dst)
     manifest = sender.manifest("t", [5, 2], 6)  # 6 tokens: a full page of 4, then 2 slots
     assert manifest.dtype == str(dtype).removeprefix("torch.")
-    sender.expect("t", timeout=10)
-    receiver.read(manifest, [1, 7], timeout=10)
+    sender.expect("t", time.monotonic() + 10)
+    receiver.read(manifest, [1, 7], time.monotonic() + 10)
     verify(manifest, 6, dst, receiver.checksums([1, 7], 6))
     for cache_src, cache_dst in ((src.k, dst.k), (src.v, dst.v)):
         cache_src, cache_dst = cache_src.view(torch.uint8), cache_dst.view(torch.uint8)  # bits
@@ -160,7 +169,8 @@ def test_narrow_pool_pages_arrive_bit_for_bit(dtype):
 
 
 def test_truncated_transfer_fails_with_an_error_and_frees_pages(tmp_path):
-    procs, router, urls = start_cluster(tmp_path, [["--inject-fault", "truncated-transfer"]], [[]])
+    procs, router, urls = start_cluster(tmp_path, [["--inject-fault", "truncated-transfer"]], [[]],
+                                        env=ALLOW_FAULTS)
     try:
         r = complete(router, "The capital of France is a city that")
         assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed"
@@ -177,7 +187,7 @@ def test_transfer_past_its_timeout_fails_cleanly(tmp_path):
     procs, router, urls = start_cluster(tmp_path, [[]], [["--kv-transfer-timeout", "0.000001"]])
     try:
         r = complete(router, "Tell me about the history of Rome. " * 10)
-        assert r.status_code == 502 and "1e-06 s" in r.json()["error"]["message"]
+        assert r.status_code == 502 and "deadline" in r.json()["error"]["message"]
         idle(urls)
         ok = complete(router, "x")  # one-token prompts move no KV and still work
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
@@ -253,7 +263,7 @@ def test_incident_replay_in_pd_mode(tmp_path):
                                         [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
                                           "--num-kv-pages", "200"],
                                          [*fault, "--kv-sentinel", "enforce", "--max-model-len", "2048",
-                                          "--num-kv-pages", "200"]])
+                                          "--num-kv-pages", "200"]], env=ALLOW_FAULTS)
     try:
         answers = [complete(router, " hello" * 1000, max_tokens=8) for _ in range(2)]
         by_status = sorted(r.status_code for r in answers)
@@ -265,7 +275,7 @@ def test_incident_replay_in_pd_mode(tmp_path):
             stop_server(p)
     procs, router, urls = start_cluster(tmp_path, [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
                                         [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
-                                          "--num-kv-pages", "200"]])
+                                          "--num-kv-pages", "200"]], env=ALLOW_FAULTS)
     try:
         r = subprocess.run([sys.executable, "-m", "kvfence.cli", "audit", "--base-url", router, "--json",
                             "--max-model-len", "2048", "--pool-tokens", "640", "--seed", "4"],

@@ -7,7 +7,7 @@ import threading
 import httpx
 import pytest
 
-from conftest import TENANT_KEYS, start_server, stop_server, wait_for_idle_pool
+from conftest import ALLOW_FAULTS, TENANT_KEYS, start_server, stop_server, wait_for_idle_pool
 from kvfence import LLM, SamplingParams
 
 FAULT = ["--inject-fault", "legacy-reject-path", "--max-model-len", "2048", "--num-kv-pages", "64", "--threads", "2"]
@@ -20,7 +20,7 @@ def audit(base, *extra):
 
 
 def test_incident_replay_with_sentinel_off_is_found_by_the_audit(tmp_path):
-    proc, base = start_server(tmp_path, "serve", *FAULT, "--kv-sentinel", "off")
+    proc, base = start_server(tmp_path, "serve", *FAULT, "--kv-sentinel", "off", env=ALLOW_FAULTS)
     try:
         code, report = audit(base)
     finally:
@@ -34,7 +34,8 @@ def test_incident_replay_with_sentinel_off_is_found_by_the_audit(tmp_path):
 
 
 def test_incident_replay_with_sentinel_on_fails_closed(tmp_path):
-    proc, base = start_server(tmp_path, "serve", *FAULT, "--kv-sentinel", "enforce")
+    proc, base = start_server(tmp_path, "serve", *FAULT, "--kv-sentinel", "enforce",
+                              env=ALLOW_FAULTS)
     try:
         secrets = [f"{n:08d}" for n in (31415926, 27182818, 14142135, 17320508)]
         for s in secrets:  # leave other requests' KV behind in the pool

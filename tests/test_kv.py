@@ -6,6 +6,9 @@ from kvfence.kv.allocator import FREE, OwnershipError, PageAllocator
 from kvfence.kv.sentinel import check_batch, check_block_table
 
 
+ALICE = 0  # the first tenant number an allocator gives (PageAllocator.tenant_number)
+
+
 def granted(allocator, owner, count, written_tokens):
     pages = allocator.allocate(owner, count)
     gens = [int(allocator.generation[p]) for p in pages]
@@ -48,14 +51,15 @@ def test_writes_only_by_the_owner():
 def test_sentinel_accepts_a_sound_block_table():
     a = PageAllocator(8, 4)
     pages, gens = granted(a, 7, 3, 10)
-    assert check_block_table(a, 7, pages, gens, 0, num_written=10, num_tokens=11) is None
+    assert check_block_table(a, 7, ALICE, pages, gens, 0, num_written=10, num_tokens=11) is None
 
 
 def test_sentinel_catches_a_page_of_another_request():
     a = PageAllocator(8, 4)
     pages, gens = granted(a, 7, 2, 8)
     other, other_gens = granted(a, 8, 1, 4)
-    problem = check_block_table(a, 7, [pages[0], other[0]], [gens[0], other_gens[0]], 0, 8, 8)
+    table, table_gens = [pages[0], other[0]], [gens[0], other_gens[0]]
+    problem = check_block_table(a, 7, ALICE, table, table_gens, 0, 8, 8)
     assert problem and "owned by 8" in problem
 
 
@@ -65,7 +69,7 @@ def test_sentinel_catches_a_stale_generation():
     a.free_owner(7)
     again, _ = granted(a, 7, 1, 4)  # same page, same owner id, new generation
     assert again == pages
-    problem = check_block_table(a, 7, pages, gens, 0, 4, 4)
+    problem = check_block_table(a, 7, ALICE, pages, gens, 0, 4, 4)
     assert problem and "generation" in problem
 
 
@@ -73,19 +77,19 @@ def test_sentinel_catches_reading_unwritten_slots():
     """The incident: one token written, attention about to read the whole reserved range."""
     a = PageAllocator(8, 4)
     pages, gens = granted(a, 7, 4, 1)
-    problem = check_block_table(a, 7, pages, gens, 0, num_written=15, num_tokens=16)
+    problem = check_block_table(a, 7, ALICE, pages, gens, 0, num_written=15, num_tokens=16)
     assert problem and "written" in problem
 
 
 def test_sentinel_catches_a_short_block_table():
     a = PageAllocator(8, 4)
     pages, gens = granted(a, 7, 1, 4)
-    assert "block table" in check_block_table(a, 7, pages, gens, 0, 4, 5)
+    assert "block table" in check_block_table(a, 7, ALICE, pages, gens, 0, 4, 5)
 
 
 def test_sentinel_catches_pages_outside_the_pool():
     a = PageAllocator(8, 4)
-    assert "outside" in check_block_table(a, 7, [99], [0], 0, 0, 1)
+    assert "outside" in check_block_table(a, 7, ALICE, [99], [0], 0, 0, 1)
 
 
 def test_sentinel_catches_swapped_shared_pages():
@@ -95,10 +99,10 @@ def test_sentinel_catches_swapped_shared_pages():
     theirs, their_gens = granted(a, 8, 2, 8)
     for owner, pages in ((7, mine), (8, theirs)):
         for p in pages:
-            a.share(owner, p)
-    assert check_block_table(a, 7, mine, my_gens, 2, 8, 9 - 1) is None
+            a.share(owner, p, "alice")
+    assert check_block_table(a, 7, ALICE, mine, my_gens, 2, 8, 9 - 1) is None
     swapped = [theirs[0], mine[1]]
-    problem = check_block_table(a, 7, swapped, my_gens, 2, 8, 8)
+    problem = check_block_table(a, 7, ALICE, swapped, my_gens, 2, 8, 8)
     assert problem and "generation" in problem
 
 
@@ -111,21 +115,67 @@ def test_sentinel_checks_a_whole_batch_at_once(vectorized, monkeypatch):
     sound = []
     for owner in (1, 2, 3):
         pages, gens = granted(a, owner, 3, 10)
-        sound.append((owner, pages, gens, 0, 10, 11))
+        sound.append((owner, ALICE, pages, gens, 0, 10, 11))
     assert check_batch(a, sound) == [None, None, None]
     assert check_batch(a, []) == []
     mine, my_gens = granted(a, 7, 2, 8)
     theirs, their_gens = granted(a, 8, 1, 4)
     few, few_gens = granted(a, 9, 4, 1)
     broken = [
-        (7, [mine[0], theirs[0]], [my_gens[0], their_gens[0]], 0, 8, 8),  # another request's page
-        (9, few, few_gens, 0, 15, 16),                                   # slots never written
-        (7, [99], [0], 0, 0, 1),                                         # outside the pool
-        (7, mine, [my_gens[0], my_gens[1] + 1], 0, 8, 8),                # a stale generation
-        (7, mine[:1], my_gens[:1], 0, 4, 5),                             # a short block table
+        (7, ALICE, [mine[0], theirs[0]], [my_gens[0], their_gens[0]], 0, 8, 8),  # another's page
+        (9, ALICE, few, few_gens, 0, 15, 16),                                   # never written
+        (7, ALICE, [99], [0], 0, 0, 1),                                         # outside the pool
+        (7, ALICE, mine, [my_gens[0], my_gens[1] + 1], 0, 8, 8),                # stale generation
+        (7, ALICE, mine[:1], my_gens[:1], 0, 4, 5),                             # short block table
     ]
     for bad in broken:
         batch = [sound[0], bad, sound[1]]
         problems = check_batch(a, batch)
         assert problems[0] is None and problems[2] is None and problems[1] is not None
         assert problems == [check_block_table(a, *entry) for entry in batch]
+
+
+def cached_pages(allocator, owner, count, tenant):
+    """`count` full pages written by `owner` and handed to `tenant`'s prefix cache."""
+    pages, gens = granted(allocator, owner, count, count * allocator.page_size)
+    for p in pages:
+        allocator.share(owner, p, tenant)
+    return pages, gens
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_sentinel_catches_a_page_another_tenant_cached(vectorized, monkeypatch):
+    """What a prefix-cache keying regression does: bob's lookup takes a reference on a page
+    alice cached. Its owner (the cache), reference count, generation and slots all look right."""
+    monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
+    a = PageAllocator(16, 4)
+    alices, gens = cached_pages(a, 7, 2, "alice")
+    a.acquire_shared(alices[0], 8)
+    own, own_gens = granted(a, 8, 1, 0)
+    bob = (8, a.tenant_number("bob"), [alices[0]] + own, [gens[0]] + own_gens, 1, 4, 5)
+    alice = (7, ALICE, alices, gens, 2, 7, 8)
+    problems = check_batch(a, [alice, bob])
+    assert problems[0] is None and "another tenant" in problems[1]
+    assert "alice" not in problems[1]  # the client reading the error is not told whose page it was
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_sentinel_catches_a_shared_page_read_without_its_own_reference(vectorized, monkeypatch):
+    """A cached page copied into another request's block table: it is referenced, but by
+    the request holding it, not by the copier."""
+    monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
+    a = PageAllocator(16, 4)
+    cached, gens = cached_pages(a, 7, 1, "alice")
+    holder = (7, ALICE, cached, gens, 1, 3, 4)
+    copiers = []
+    for owner in (8, 9):
+        own, own_gens = granted(a, owner, 1, 0)
+        copiers.append((owner, ALICE, cached + own, gens + own_gens, 1, 4, 5))
+    problems = check_batch(a, [holder, *copiers])
+    assert problems[0] is None and all("without references" in p for p in problems[1:])
+    a.acquire_shared(cached[0], 8)  # a lookup for request 8
+    problems = check_batch(a, [holder, *copiers])
+    assert problems[:2] == [None, None] and "without references" in problems[2]
+    assert a.release_references(8) == cached  # LLMEngine.release, by the records
+    assert "without references" in check_block_table(a, *copiers[0])
+    assert a.refcount[cached[0]] == 1 and check_block_table(a, *holder) is None

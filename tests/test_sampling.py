@@ -5,8 +5,12 @@ import pytest
 import torch
 
 from kvfence import SamplingParams
+from kvfence.config import EngineConfig
+from kvfence.engine import sampler
+from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import Request
 from kvfence.engine.sampler import sample
+from kvfence.engine.sampling_params import FLOAT32_TINY, InvalidRequest
 from kvfence.model.tokenizer import IncrementalDetokenizer
 
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -200,3 +204,78 @@ def test_batch_invariance_alone_or_among_63_others(real_llm):
     crowd = real_llm.generate(fillers[:31] + [target] + fillers[31:], params)[31].outputs[0]
     assert crowd.token_ids == alone.token_ids
     assert crowd.logprobs == alone.logprobs
+
+
+def tiny_engine(path, **config):
+    config = EngineConfig(model=str(path), page_size=4, num_kv_pages=64, max_model_len=128,
+                          num_threads=1, **config)
+    return LLMEngine(config, progress=False)
+
+
+def generate(engine, params: SamplingParams, prompt=(5, 6, 7, 8)) -> list[list[int]]:
+    reqs = engine.add_request(list(prompt), params)
+    done = {}
+    while engine.has_unfinished():
+        done.update({(out.request_id, out.index): out for out in engine.step() if out.finished})
+    return [done[(r.parent_id, r.index)].token_ids for r in reqs]
+
+
+def test_unseeded_sampling_is_seeded_from_the_os_and_a_seed_still_reproduces(tiny_llama_dir):
+    """Two fresh engines draw different samples (40 tokens each from a spread-out
+    distribution: a collision is vanishingly unlikely); a request's own seed, or the
+    engine's configured one, reproduces its samples exactly."""
+    unseeded = SamplingParams(temperature=2.0, max_tokens=40, ignore_eos=True)
+    first, second = tiny_engine(tiny_llama_dir), tiny_engine(tiny_llama_dir)
+    assert generate(first, unseeded) != generate(second, unseeded)
+    seeded = SamplingParams(temperature=2.0, max_tokens=40, ignore_eos=True, seed=7, n=2)
+    assert generate(first, seeded) == generate(second, seeded)
+    configured = [generate(tiny_engine(tiny_llama_dir, seed=3), unseeded) for _ in range(2)]
+    assert configured[0] == configured[1]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_p", 1e-46), ("top_p", 1e-38), ("min_p", 1e-46), ("presence_penalty", 1e-40),
+    ("frequency_penalty", -1e-45),
+])
+def test_values_float32_cannot_hold_are_refused(field, value):
+    """1e-46 is 0 in float32 (top_p=0 would keep no token), 1e-38 is a subnormal whose
+    product with a probability rounds to 0: refused, naming the field."""
+    with pytest.raises(InvalidRequest, match="float32") as e:
+        SamplingParams(**{field: value}).validate(49152)
+    assert e.value.param == field
+    with pytest.raises(InvalidRequest, match="float32") as e:
+        SamplingParams(logit_bias={3: 1e-46}).validate(49152)
+    assert e.value.param == "logit_bias"
+
+
+def test_the_smallest_top_p_accepted_keeps_the_most_likely_token():
+    tiny = FLOAT32_TINY
+    smallest = SamplingParams(top_p=tiny, min_p=tiny, presence_penalty=-tiny, logit_bias={3: tiny})
+    smallest.validate(49152)
+    logits = torch.randn(6, 49152) * 4
+    reqs = requests_for([SamplingParams(top_p=FLOAT32_TINY)] * 6)
+    assert [t for t, _ in sample(logits, reqs, torch.Generator())] == logits.argmax(-1).tolist()
+
+
+def test_logit_bias_is_capped_at_300_tokens():
+    SamplingParams(logit_bias={t: 1.0 for t in range(300)}).validate(49152)
+    with pytest.raises(InvalidRequest, match="at most 300") as e:
+        SamplingParams(logit_bias={t: 1.0 for t in range(301)}).validate(49152)
+    assert e.value.param == "logit_bias"
+
+
+def test_logit_bias_tensors_are_built_once_per_request(tiny_llama_dir, monkeypatch):
+    engine = tiny_engine(tiny_llama_dir)
+    forced = 1234
+    bias = {t: -5.0 for t in range(299)} | {forced: 100.0}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logit_bias=bias)
+    built = []
+    build = sampler.logit_bias_tensors
+
+    def counted(p, logits):
+        tensors = build(p, logits)
+        built.append(tensors)
+        return tensors
+    monkeypatch.setattr(sampler, "logit_bias_tensors", counted)
+    assert generate(engine, params) == [[forced] * 8]
+    assert len(built) == 8 and all(tensors is built[0] for tensors in built)

@@ -3,6 +3,8 @@
 Checks, in order: canary leaks between concurrent requests and tenants, the context and
 pool boundaries, greedy consistency alone versus under load, and timing and token
 accounting. Every response of every phase is finally scanned for other requests' secrets.
+Given a deployment's worker URLs, it first checks that their internal endpoints refuse
+clients (workers.py).
 """
 import asyncio
 import random
@@ -12,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 from tqdm import tqdm
+
+from kvfence.audit.workers import probe_workers
 
 CANARY_PHRASE = "vault code"
 CANARY_TEMPLATE = ("My vault code is {s}. Remember it: {s}. Keep my vault code private and "
@@ -72,12 +76,14 @@ class Report:
 
 
 class Auditor:
-    def __init__(self, base_url: str, api_keys: list[str] | None = None, model: str | None = None,
+    def __init__(self, base_url: str | None, api_keys: list[str] | None = None, model: str | None = None,
                  max_model_len: int | None = None, pool_tokens: int | None = None, canaries: int = 24,
-                 concurrency: int = 16, timeout: float = 300, progress: bool = True, seed: int | None = None):
-        self.base = base_url.rstrip("/")
+                 concurrency: int = 16, timeout: float = 300, progress: bool = True, seed: int | None = None,
+                 workers: list[str] | None = None):
+        self.base = base_url.rstrip("/") if base_url else None
+        self.workers = list(workers or [])
         self.keys = list(api_keys or []) or [None]
-        self.report = Report(self.base, model or "", max_model_len, pool_tokens)
+        self.report = Report(self.base or "", model or "", max_model_len, pool_tokens)
         self.canaries = canaries
         self.semaphore = asyncio.Semaphore(concurrency)
         self.timeout = timeout
@@ -280,7 +286,27 @@ class Auditor:
         if len(self.report.findings) == before:
             self.report.passed.append("canary leak")
 
+    async def internal_phase(self) -> None:
+        """Every internal endpoint of every worker refuses a client key and no key."""
+        probes = await probe_workers(self.workers, [k for k in self.keys if k])
+        before = len(self.report.findings)
+        for p in probes:
+            if p.answered:
+                who = "no key" if p.key_index is None else f"client key #{p.key_index + 1}"
+                self.find("internal_endpoints", f"{p.method} {p.worker}{p.path} answered {p.status} to {who}; "
+                          "it must refuse (401) anyone without the cluster's internal token",
+                          worker=p.worker, path=p.path, status=p.status, code=p.error_code)
+        unreachable = sorted({p.worker for p in probes if p.failure})
+        if unreachable:
+            self.report.skipped.append(f"internal endpoints of {', '.join(unreachable)} (unreachable)")
+        if len(self.report.findings) == before and len(unreachable) < len(self.workers):
+            self.report.passed.append("internal endpoints refuse clients")
+
     async def run(self) -> Report:
+        if self.workers:
+            await self.internal_phase()
+        if self.base is None:  # only the workers were given
+            return self.report
         async with httpx.AsyncClient() as client:
             await self.discover(client)
             total = self.canaries + self.canaries // 6 + 6 + 3 * len(CONSISTENCY_PROMPTS) + 8 + 1
@@ -298,7 +324,8 @@ class Auditor:
 
 def format_report(report: Report) -> str:
     lines = [f"kvfence audit of {report.base_url} (model {report.model}, max_model_len {report.max_model_len}, "
-             f"pool {report.pool_tokens or 'unknown'} tokens, {report.requests} requests)"]
+             f"pool {report.pool_tokens or 'unknown'} tokens, {report.requests} requests)"
+             if report.base_url else "kvfence audit of the workers' internal endpoints"]
     lines += [f"  PASS  {name}" for name in report.passed]
     lines += [f"  SKIP  {name}" for name in report.skipped]
     for f in report.findings:

@@ -2,7 +2,10 @@
 
 POST /internal/prefill/v1/{completions,chat/completions} takes the client's body as is,
 so admission is exactly unified mode's: a request refused here ends here, and no decode
-worker ever hears of it. Only a live, parked request gets a manifest.
+worker ever hears of it. Only a live, parked request gets a manifest, and only a caller
+holding the cluster token (disagg/__init__.py) gets to read it: it names the pool's addresses.
+Parked pages are held under a lease: freed when the reader is done, or when the lease ends,
+which the manifest tells the reader so that it never reads past it.
 """
 import asyncio
 import time
@@ -63,8 +66,9 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         for tid, (deadline, _) in list(manifests.items()):
             if deadline < now:
                 manifests.pop(tid, None)
-        manifests[rid] = (now + park_timeout, {"tenant": p.tenant, **manifest.to_dict()})
-        transfer.expect(rid, park_timeout)
+        lease_end = req.park_deadline  # set by the engine when it parked the request
+        manifests[rid] = (lease_end, {"tenant": p.tenant, **manifest.to_dict()})
+        transfer.expect(rid, lease_end)
         return {"transfer_id": rid, "prompt_tokens": len(prompt), "kv_tokens": manifest.token_count}
 
     @app.post("/internal/prefill/v1/completions")
@@ -81,7 +85,8 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         entry = manifests.get(transfer_id)
         if entry is None or entry[1]["tenant"] != tenant:
             raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
-        return {k: v for k, v in entry[1].items() if k != "tenant"}
+        lease_end, manifest = entry
+        return {**{k: v for k, v in manifest.items() if k != "tenant"}, "lease_s": lease_end - time.monotonic()}
 
     @app.post("/internal/release/{transfer_id}")
     async def release(transfer_id: str, request: Request):

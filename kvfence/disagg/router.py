@@ -3,7 +3,9 @@
 It works sequentially: the prefill worker first, which admits the request and computes
 its KV; then, only if that succeeded, a decode worker, which pulls the KV and generates.
 A request the prefill side refuses ends with the prefill's own error. Workers are picked
-round robin; each worker authenticates the request itself.
+round robin; each worker authenticates the client's key itself, and the router proves it is
+the cluster with the internal token. Of a client's headers only the key and content type go
+on, so no client can set the internal ones.
 """
 import itertools
 import logging
@@ -25,7 +27,8 @@ def _error(status: int, message: str, code: str) -> JSONResponse:
                                    "invalid_request_error", "param": None, "code": code}}, status_code=status)
 
 
-def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: float = 600) -> FastAPI:
+def create_router(prefill_urls: list[str], decode_urls: list[str], internal_token: str,
+                  timeout: float = 600) -> FastAPI:
     app = FastAPI(title="kvfence router")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
@@ -35,13 +38,15 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], timeout: floa
         """Every worker of one role once, starting with the next in that role's round robin."""
         start = next(turns[id(urls)]) % len(urls)
         return urls[start:] + urls[:start]
-    client = worker_client(timeout)
+    client = worker_client(internal_token, timeout)
     registry = CollectorRegistry()
     routed = Counter("kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry)
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "role": "router", "prefill": prefill_urls, "decode": decode_urls}
+        # Counts only: worker addresses are not for clients.
+        return {"status": "ok", "role": "router", "prefill_workers": len(prefill_urls),
+                "decode_workers": len(decode_urls)}
 
     @app.get("/metrics")
     async def metrics():

@@ -2,27 +2,34 @@
 
 Each side registers its whole K and V pool tensors once. A transfer moves, for every
 layer, K and V of each page, only the slots that hold this request's tokens; stale slots
-past the last token never leave the prefill node. The manifest travels separately (HTTP)
-and carries a CRC32 per page, so the receiver can prove it holds exactly what was sent.
+past the last token never leave the prefill node. The manifest travels separately (HTTP,
+between token-holding workers only: it names the pool's addresses) and carries a CRC32 per
+page, so the receiver can prove it holds exactly what was sent.
 """
 import base64
 import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
 
 import torch
+from pydantic import ConfigDict, ValidationError
+from pydantic.dataclasses import dataclass
 
 from kvfence.kv.pool import KVPool
+
+POLL_S = 0.0005
 
 
 class TransferError(RuntimeError):
     pass
 
 
-@dataclass
+@dataclass(config=ConfigDict(strict=True, extra="forbid"))
 class Manifest:
+    """What a decode worker needs to pull one parked prompt; validated field by field, since
+    it arrives over the network."""
+
     transfer_id: str
     token_count: int
     page_size: int
@@ -35,6 +42,7 @@ class Manifest:
     agent_name: str
     agent_metadata: str  # base64
     descs: list[list[int]]  # (address, bytes, device) per (K/V, layer, page), in that order
+    lease_s: float = 0.0  # seconds the sender keeps the pages, from when it sent this
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -49,40 +57,46 @@ def page_spans(token_count: int, page_size: int) -> list[int]:
 class KVTransfer:
     def __init__(self, pool: KVPool, name: str | None = None):
         if pool.k.device.type != "cpu":
-            raise TransferError("disaggregated workers keep their KV pool in host memory: run them with --device cpu")
-        from nixl._api import nixl_agent, nixl_agent_config
+            raise TransferError("disaggregated workers keep their KV pool in host memory: "
+                                "run them with --device cpu")
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.pool = pool
         self.name = name or f"kvfence-{os.getpid()}-{id(self):x}"
-        # No progress thread: it spins a core while idle; the puller drives progress by polling.
-        self.agent = nixl_agent(self.name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        # No progress thread: it spins a core while idle; the puller drives progress by
+        # polling. RW sync lets transfers from several threads (one per peer) run at once.
+        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        self.agent = nixl_agent(self.name, config)
         self.agent.register_memory([pool.k, pool.v])
         self.slot_bytes = pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
         self.layer_stride = pool.k.shape[1] * self.slot_bytes
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
         self._remotes: dict[str, str] = {}  # metadata -> agent name, loaded once per peer incarnation
-        self._lock = threading.Lock()  # the agent runs without its own thread synchronisation
+        self._lock = threading.Lock()  # guards the two dicts, never held during a transfer
         self._expected: dict[str, float] = {}  # transfer id -> deadline, on the sending side
         self._wake = threading.Event()
+        self._pump = None
         self.on_pulled = None  # sending side: called with a transfer id once its reader is done
 
-    def expect(self, transfer_id: str, timeout: float) -> None:
-        """Sending side: a reader will pull `transfer_id`. Without a progress thread the
-        transport moves data only while this side polls, so poll until it is done."""
+    def expect(self, transfer_id: str, deadline: float) -> None:
+        """Sending side: a reader will pull `transfer_id` before `deadline` (monotonic). Without
+        a progress thread the transport moves data only while this side polls, so poll until
+        it is done."""
         with self._lock:
-            self._expected[transfer_id] = time.monotonic() + timeout
+            self._expected[transfer_id] = deadline
             self._wake.set()
-            if not getattr(self, "_pump", None):
+            if self._pump is None:
                 self._pump = threading.Thread(target=self._poll, name="kvfence-transfer", daemon=True)
                 self._pump.start()
 
     def _poll(self) -> None:
         while True:
             self._wake.wait()
+            notes = self.agent.get_new_notifs()
+            done = [msg.decode() for msgs in notes.values() for msg in msgs]
+            now = time.monotonic()
             with self._lock:
-                notes = self.agent.get_new_notifs()
-                now = time.monotonic()
-                done = [msg.decode() for msgs in notes.values() for msg in msgs]
                 for tid in done + [t for t, deadline in self._expected.items() if deadline < now]:
                     self._expected.pop(tid, None)
                 if not self._expected:
@@ -121,48 +135,61 @@ class KVTransfer:
                         str(k.dtype).removeprefix("torch."), k.shape[0], k.shape[2], k.shape[3],
                         self.checksums(pages, token_count), self.name, self.metadata, self.descs(pages, token_count))
 
-    def read(self, manifest: Manifest, pages: list[int], timeout: float) -> float:
-        """Pulls the manifest's pages into `pages` of our pool; returns seconds spent."""
+    def read(self, manifest: Manifest, pages: list[int], deadline: float) -> None:
+        """Pulls the manifest's pages into `pages` of our pool, or raises TransferError by
+        `deadline` (monotonic). It returns only once the transport has stopped writing into
+        `pages`, so the caller may free them as soon as it returns."""
         if not manifest.descs:
-            return 0.0
-        with self._lock:
-            try:
-                remote_name = self._remote(manifest)
-                local, remote = coalesce(self.descs(pages, manifest.token_count), manifest.descs)
-                local = self.agent.get_xfer_descs(local, "DRAM")
-                remote = self.agent.get_xfer_descs(remote, "DRAM")
-                start = time.monotonic()
-                handle = self.agent.initialize_xfer("READ", local, remote, remote_name,
-                                                    manifest.transfer_id.encode())
-                try:
-                    state = self.agent.transfer(handle)
-                    while state == "PROC":
-                        if time.monotonic() - start > timeout:
-                            raise TransferError(f"KV transfer did not finish within {timeout} s")
-                        time.sleep(0.0005)
-                        state = self.agent.check_xfer_state(handle)
-                finally:
-                    self.agent.release_xfer_handle(handle)
-            except TransferError:
-                raise
-            except Exception as e:  # noqa: BLE001 - NIXL's errors share no base class
-                raise TransferError(f"transport error: {type(e).__name__}: {e}") from None
+            return
+        if time.monotonic() >= deadline:  # the sender's lease may be over: never start a read
+            raise TransferError("KV transfer did not start within its deadline")
+        try:
+            remote_name = self._remote(manifest)
+            local, remote = coalesce(self.descs(pages, manifest.token_count), manifest.descs)
+            local = self.agent.get_xfer_descs(local, "DRAM")
+            remote = self.agent.get_xfer_descs(remote, "DRAM")
+            handle = self.agent.initialize_xfer("READ", local, remote, remote_name,
+                                                manifest.transfer_id.encode())
+        except Exception as e:  # NIXL's errors share no base class
+            raise TransferError(f"transport error: {type(e).__name__}: {e}") from None
+        state = "ERR"
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC" and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                state = self.agent.check_xfer_state(handle)
+        finally:
+            self._release(handle)
+        if state == "PROC":
+            raise TransferError("KV transfer did not finish within its deadline")
         if state != "DONE":
             raise TransferError("KV transfer failed in the transport (peer gone?)")
-        elapsed = time.monotonic() - start
-        if elapsed > timeout:
-            raise TransferError(f"KV transfer took {elapsed:.3f} s, over the {timeout} s limit")
-        return elapsed
+
+    def _release(self, handle) -> None:
+        """Releases a transfer, cancelling it if still active. NIXL refuses to release one it
+        cannot cancel: then wait for it to end, since until then it may write our pages."""
+        try:
+            self.agent.release_xfer_handle(handle)
+            return
+        except Exception:  # still active and not cancellable
+            pass
+        while self.agent.check_xfer_state(handle) == "PROC":
+            time.sleep(POLL_S)
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception:  # it has ended: nothing writes our pages any more
+            pass
 
     def _remote(self, manifest: Manifest) -> str:
-        name = self._remotes.get(manifest.agent_metadata)
-        if name is None:
-            stale = [m for m, n in self._remotes.items() if n == manifest.agent_name]
-            for m in stale:  # the peer restarted under the same name
-                self.agent.remove_remote_agent(self._remotes.pop(m))
-            name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
-            self._remotes[manifest.agent_metadata] = name
-        return name
+        with self._lock:
+            name = self._remotes.get(manifest.agent_metadata)
+            if name is None:
+                stale = [m for m, n in self._remotes.items() if n == manifest.agent_name]
+                for m in stale:  # the peer restarted under the same name
+                    self.agent.remove_remote_agent(self._remotes.pop(m))
+                name = self.agent.add_remote_agent(base64.b64decode(manifest.agent_metadata))
+                self._remotes[manifest.agent_metadata] = name
+            return name
 
 
 def coalesce(local: list[list[int]], remote: list[list[int]]) -> tuple[list[tuple], list[tuple]]:
@@ -203,9 +230,15 @@ def verify(manifest: Manifest, expected_tokens: int, pool: KVPool, received_chec
             raise TransferError(f"checksum mismatch on {len(bad)} of {pages} pages (first: page {bad[0]})")
 
 
-def manifest_from_dict(d: dict) -> Manifest:
+def manifest_from_dict(d) -> Manifest:
+    """A manifest from a peer's JSON; anything malformed is refused without echoing it."""
+    if not isinstance(d, dict):
+        raise TransferError("malformed manifest: not an object")
     try:
-        return Manifest(**d)
-    except TypeError as e:
-        raise TransferError(f"malformed manifest: {e}") from None
-
+        manifest = Manifest(**d)
+    except (TypeError, ValidationError) as e:
+        fields = sorted({str(err["loc"][0]) for err in e.errors()}) if isinstance(e, ValidationError) else []
+        raise TransferError(f"malformed manifest (fields: {', '.join(fields) or 'unknown'})") from None
+    if any(len(desc) != 3 or min(desc) < 0 for desc in manifest.descs):
+        raise TransferError("malformed manifest: a region is not (address, bytes, device)")
+    return manifest

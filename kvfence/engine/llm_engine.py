@@ -1,6 +1,7 @@
 """The engine: admission, the step loop, sampling, stop handling and the free path."""
 import json
 import logging
+import secrets
 import time
 import uuid
 
@@ -12,7 +13,8 @@ from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.request import Request, RequestState
-from kvfence.engine.sampler import sample
+from kvfence.engine.request_log import RequestLog, audit_record
+from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
@@ -58,7 +60,7 @@ class LLMEngine:
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.prefix_cache = PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
         self.scheduler = Scheduler(self.allocator, config.max_num_seqs, config.max_num_batched_tokens, self.release,
-                                   self.prefix_cache)
+                                   self.prefix_cache, fair=config.scheduling == "fair")
         model = LlamaModel(model_config, weights, config.device,
                            torch.bfloat16 if config.dtype == "bfloat16" else torch.float32,
                            int8_activations=config.dtype == "gguf-int8")
@@ -67,12 +69,18 @@ class LLMEngine:
         if config.device != "cpu" and not config.enforce_eager:
             graphs = DecodeGraphs(model, self.pool, config.max_num_seqs, -(-config.max_model_len // config.page_size))
         self.runner = ModelRunner(model, self.pool, self.allocator, config.kv_sentinel, kernel, graphs)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        # Unseeded requests draw from it: seeded from the OS, so that no two engines sample
+        # alike, unless a seed is configured (reproducible benchmarks).
+        seed = secrets.randbits(64) if config.seed is None else config.seed
+        self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, list[Request]] = {}
         self.parked: dict[str, Request] = {}     # prefilled, pages held for a decode worker to pull
         self.receiving: dict[str, Request] = {}  # pages reserved for KV arriving from a prefill worker
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "aborted": 0, "failed": 0}
         self.rejected: dict[str, int] = {}
+        self.request_log = RequestLog(config.request_log, int(config.request_log_max_mb * 2**20)) \
+            if config.request_log else None
+        self.on_finish: list = []  # called with each finished request's record (server metrics)
 
     def describe(self) -> str:
         """One line on what this engine runs, for the start-up log."""
@@ -155,8 +163,8 @@ class LLMEngine:
 
     def release(self, req: Request) -> None:
         """Gives back every page a request holds. The only place pages are freed."""
-        if req.num_shared_pages:
-            self.prefix_cache.release(req.block_table[:req.num_shared_pages])
+        if self.prefix_cache:  # by the allocator's records of its references, not the block table
+            self.prefix_cache.release(req.owner)
         self._scrub(self.allocator.free_owner(req.owner))
         req.block_table.clear()
         req.page_generations.clear()
@@ -172,7 +180,8 @@ class LLMEngine:
 
     def _finish(self, req: Request, state: RequestState, error: str | None = None) -> None:
         self.scheduler.remove(req)
-        self.release(req)
+        if req.parent_id not in self.receiving:  # pages under transfer wait for end_transfer
+            self.release(req)
         req.error = error
         req.set_state(state)
         key = {RequestState.ABORTED: "aborted", RequestState.FAILED: "failed"}.get(state, "finished")
@@ -180,9 +189,12 @@ class LLMEngine:
         self._log_finish(req)
 
     def abort(self, request_id: str) -> list[RequestOutput]:
+        """Ends a request and frees its pages, except pages a transfer may still touch: a
+        receiving request's are freed once its read has returned (end_transfer), and a parked
+        request's stay until its reader is done or its lease ends (release_parked)."""
+        if request_id in self.parked:
+            return []
         outputs = []
-        self.parked.pop(request_id, None)
-        self.receiving.pop(request_id, None)
         for req in self.requests.pop(request_id, []):
             if not req.is_terminal:
                 self._finish(req, RequestState.ABORTED)
@@ -207,6 +219,7 @@ class LLMEngine:
         return req
 
     def release_parked(self, request_id: str) -> None:
+        """The parked KV was pulled, or its lease ended: free its pages."""
         req = self.parked.pop(request_id, None)
         if req is not None and not req.is_terminal:
             self._finish(req, RequestState.FINISHED_STOP)
@@ -217,7 +230,7 @@ class LLMEngine:
         for rid, req in list(self.parked.items()):
             if req.park_deadline < now:
                 log.warning("request %s: no decode worker pulled its KV in time; freeing its pages", rid)
-                self.abort(rid)
+                self.release_parked(rid)
 
     def reserve_remote(self, prompt_ids: list[int], params: SamplingParams, request_id: str, tenant: str,
                        kv_tokens: int) -> Request:
@@ -242,14 +255,21 @@ class LLMEngine:
         self.receiving[request_id] = req
         return req
 
-    def activate_remote(self, request_id: str, received_tokens: int, claimed_tokens: int) -> None:
-        """The KV of `received_tokens` tokens is in the reserved pages; decoding resumes after
-        `claimed_tokens` (equal, unless the incident replay is injected)."""
+    def end_transfer(self, request_id: str, received_tokens: int | None) -> None:
+        """The read into a receiving request's pages has returned: nothing writes them any
+        more. With the KV of `received_tokens` tokens (None: the transfer failed) the
+        request decodes after exactly those; aborted or failed meanwhile, its pages are freed."""
         req = self.receiving.pop(request_id)
-        self.runner.mark_written(req, 0, received_tokens)
-        req.num_computed_tokens = claimed_tokens
-        req.num_prompt_tokens_computed = 0
-        self.scheduler.add(req)
+        if req.is_terminal:
+            self.release(req)
+        elif received_tokens is None:
+            self._finish(req, RequestState.FAILED, "the KV transfer failed")
+            self.requests.pop(request_id, None)
+        else:
+            self.runner.mark_written(req, 0, received_tokens)
+            req.num_computed_tokens = received_tokens
+            req.num_prompt_tokens_computed = 0
+            self.scheduler.add(req)
 
     # --- the step --------------------------------------------------------------------
 
@@ -284,10 +304,22 @@ class LLMEngine:
                 req.park_deadline += time.monotonic()
                 self.parked[req.parent_id] = req
                 outputs.append(self._output(req))
-        for req, (token, logprob) in zip(sampled, sample(logits, sampled, self.generator)):
-            self._append_token(req, token, logprob)
+        for req, result in zip(sampled, sample_isolating_errors(logits, sampled, self.generator)):
+            if isinstance(result, Exception):
+                self._fail_alone(req, result)
+            else:
+                try:
+                    self._append_token(req, *result)
+                except Exception as error:  # one request's failure ends that request, not the step
+                    self._fail_alone(req, error)
             outputs.append(self._output(req))
         return outputs
+
+    def _fail_alone(self, req: Request, error: Exception) -> None:
+        log.error("request %s (tenant %s) failed while sampling or handling its token",
+                  req.request_id, req.tenant, exc_info=error)
+        if not req.is_terminal:
+            self._finish(req, RequestState.FAILED, "internal error while sampling this request")
 
     def _append_token(self, req: Request, token: int, logprob: dict | None) -> None:
         now = time.monotonic()
@@ -324,31 +356,40 @@ class LLMEngine:
         return True
 
     def _output(self, req: Request) -> RequestOutput:
-        """Reports what is new since the last output. While a stop string could still be
-        forming, the text that might belong to it is held back."""
+        """Reports what is new since the last output, and the whole completion once it is
+        finished. While a stop string could still be forming, the text that might belong to
+        it is held back."""
         hold = 0 if req.is_terminal or not req.params.stop else max(len(s) for s in req.params.stop) - 1
         end = max(req.sent_text_len, len(req.text) - hold)
         delta = req.text[req.sent_text_len:end]
         req.sent_text_len = end
-        new_tokens = req.output_token_ids[req.sent_token_len:]
-        req.sent_token_len = len(req.output_token_ids)
-        if req.is_terminal and not any(not r.is_terminal for r in self.requests.get(req.parent_id, [])):
+        sent_tokens, req.sent_token_len = req.sent_token_len, len(req.output_token_ids)
+        finished = req.is_terminal
+        if finished and not any(not r.is_terminal for r in self.requests.get(req.parent_id, [])):
             self.requests.pop(req.parent_id, None)
         return RequestOutput(
             request_id=req.parent_id, index=req.index, prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids), text=req.text[:end], delta_text=delta,
-            delta_token_ids=new_tokens, finished=req.is_terminal, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason, logprobs=list(req.logprobs), error=req.error,
+            token_ids=list(req.output_token_ids) if finished else None,
+            text=req.text if finished else None, delta_text=delta,
+            delta_token_ids=req.output_token_ids[sent_tokens:], finished=finished,
+            finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            logprobs=list(req.logprobs) if finished else None,
+            delta_logprobs=req.logprobs[sent_tokens:], error=req.error,
             num_cached_tokens=req.num_cached_tokens, parked=req.parent_id in self.parked)
 
     def _log_finish(self, req: Request) -> None:
         t0 = req.arrival_time
         ms = lambda t: None if t is None else round((t - t0) * 1000, 1)  # noqa: E731
-        request_log.info(json.dumps({
+        record = {
             "event": "request_finished", "request_id": req.request_id, "tenant": req.tenant,
             "prompt_tokens": len(req.prompt_token_ids), "prompt_tokens_computed": req.num_prompt_tokens_computed,
             "cached_tokens": req.num_cached_tokens, "output_tokens": len(req.output_token_ids),
             "queue_ms": ms(req.first_scheduled_time), "ttft_ms": ms(req.first_token_time),
             "total_ms": ms(req.finish_time), "finish_reason": req.finish_reason,
             "preemptions": req.num_preemptions, "error": req.error,
-        }))
+        }
+        request_log.info(json.dumps(record))
+        for hook in self.on_finish:
+            hook(record)
+        if self.request_log is not None:
+            self.request_log.write(audit_record(record, req, self.config.kv_sentinel))

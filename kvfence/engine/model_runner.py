@@ -37,13 +37,17 @@ class ModelRunner:
         if self.sentinel == "off":
             return batch, []
         allowed, failed = [], []
-        problems = check_batch(self.allocator, [(req.owner, req.block_table, req.page_generations, req.num_shared_pages,
-                                                 req.num_computed_tokens, req.num_computed_tokens + n) for req, n in batch])
+        tenant = self.allocator.tenant_number
+        problems = check_batch(self.allocator, [
+            (req.owner, tenant(req.tenant), req.block_table, req.page_generations,
+             req.num_shared_pages, req.num_computed_tokens, req.num_computed_tokens + n)
+            for req, n in batch])
         for (req, n), problem in zip(batch, problems):
             if problem is None:
                 allowed.append((req, n))
                 continue
             self.sentinel_violations += 1
+            req.sentinel_violation = req.sentinel_violation or problem
             log.error("KV SENTINEL: request %s (tenant %s): %s", req.request_id, req.tenant, problem)
             if self.sentinel == "enforce":
                 failed.append((req, problem))

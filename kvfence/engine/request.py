@@ -70,6 +70,7 @@ class Request:
     sent_text_len: int = 0
     sent_token_len: int = 0
     stop_reason: str | int | None = None
+    sentinel_violation: str | None = None  # the first ownership problem the sentinel saw, if any
 
     @property
     def is_terminal(self) -> bool:

@@ -3,6 +3,7 @@ top-k, top-p, min-p, seeded sampling, and log-probabilities of the raw model dis
 import torch
 
 from kvfence.engine.request import Request
+from kvfence.engine.sampling_params import SamplingParams
 from kvfence.model.kernels import fused_ops
 
 
@@ -20,9 +21,8 @@ def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if not adjusts_logits(req):
         return logits
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=logits.device)
-        logits = logits.index_add(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype,
-                                                       device=logits.device))
+        ids, values = logit_bias_tensors(p, logits)
+        logits = logits.index_add(0, ids, values)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(req.all_token_ids, device=logits.device).unique()
         old = logits[seen]
@@ -33,6 +33,17 @@ def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
                                 minlength=logits.shape[-1]).to(logits.dtype)
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
+
+
+def logit_bias_tensors(p: SamplingParams, logits: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The request's logit_bias as (token ids, values), built on its first step only."""
+    cached = p.logit_bias_tensors
+    if cached is None or cached[1].dtype != logits.dtype or cached[1].device != logits.device:
+        on = dict(device=logits.device)
+        cached = (torch.tensor(list(p.logit_bias), **on),
+                  torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, **on))
+        p.logit_bias_tensors = cached
+    return cached
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
@@ -141,3 +152,26 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
                 "top": [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)],
             })
     return results
+
+
+Sampled = tuple[int, dict | None]  # a token id and its logprobs entry (or None)
+
+
+def sample_isolating_errors(logits: torch.Tensor, requests: list[Request],
+                            generator: torch.Generator) -> list[Sampled | Exception]:
+    """sample() over the whole batch; if that raises, each request again on its own, so an
+    error one request's row or parameters cause comes back in that request's place and the
+    others still get their token. (After such a failure a seeded row draws from where its
+    generator stands, not from where it stood before the batch.)"""
+    try:
+        return sample(logits, requests, generator)
+    except Exception:  # which row failed is not known: the rows that fail alone tell
+        return [sample_alone(logits[i:i + 1], req, generator) for i, req in enumerate(requests)]
+
+
+def sample_alone(logits: torch.Tensor, req: Request,
+                 generator: torch.Generator) -> Sampled | Exception:
+    try:
+        return sample(logits, [req], generator)[0]
+    except Exception as error:  # returned, not raised: the engine fails this request only
+        return error

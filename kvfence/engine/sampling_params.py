@@ -5,7 +5,16 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
+MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
 GREEDY_BELOW = 1e-5  # temperatures under it are greedy, as in vLLM: dividing logits by them overflows
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+TINY = f"{FLOAT32_TINY:.3g}"  # as error messages show it
+
+
+def fits_float32(x: float) -> bool:
+    """Zero, or a value float32 (the sampler's arithmetic) holds as a normal number: a smaller
+    one flushes to zero or loses its precision, so top_p=1e-46 would keep no token at all."""
+    return x == 0.0 or FLOAT32_TINY <= abs(x)
 
 
 class InvalidRequest(ValueError):
@@ -36,6 +45,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # logit_bias as (token ids, values) tensors, built once by the sampler instead of every step
+    logit_bias_tensors: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def greedy(self) -> bool:
@@ -62,10 +73,17 @@ class SamplingParams:
         # from 0.01: dividing a logit by less could overflow it
         check(0.01 <= self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in [0.01, 2]")
         check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
+        for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            check(fits_float32(getattr(self, name)), name,
+                  f"{name} is too small for float32: if not 0, at least {TINY} in size")
+        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
+              f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
         check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
               f"logit_bias keys must be token ids in [0, {vocab_size})")
         check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
               "logit_bias values must be in [-100, 100]")
+        check(all(fits_float32(b) for b in self.logit_bias.values()), "logit_bias",
+              f"logit_bias values are too small for float32: if not 0, at least {TINY} in size")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
         check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")

@@ -1,35 +1,59 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget, shared fairly
+between tenants.
 
-Each step: running requests first (single-token decodes, then unfinished prefill
-chunks), then new requests from the waiting queue while budget, sequence slots and pages
-last. When a running request needs a page and none is free, the most recently admitted
-request not yet in this step's batch is preempted: its pages are freed and it goes back
-to the front of the waiting queue to be recomputed from its tokens so far.
+Each step: running decodes first (one token each), then prefill work: the unfinished
+prefill chunks of running requests and new requests from the waiting queue, while budget,
+sequence slots and pages last. Prefill work goes to the tenant with the least weighted
+service so far (the Virtual Token Counter of Sheng et al., "Fairness in Serving Large
+Language Models", OSDI 2024): each computed token adds 1 / weight to its tenant's counter,
+and a tenant that becomes active again starts at the lowest active counter, so it cannot
+bank idle time. Within a tenant, first come first served; under `fifo`, across tenants too.
+When a running request needs a page and none is free, a running request not yet in this
+step's batch is preempted, the most recently admitted of the tenant most over its share:
+its pages are freed and it goes back to the front of the waiting queue.
 """
-from collections import deque
+import heapq
+from collections import Counter, defaultdict, deque
+from dataclasses import dataclass
 
 from kvfence.engine.request import Request, RequestState
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.prefix_cache import PrefixCache
 
 
+@dataclass(frozen=True)
+class Share:
+    """A tenant's weight under fair scheduling, and the most sequences it may run at once."""
+    weight: float = 1.0
+    max_running: int | None = None
+
+
 class Scheduler:
     def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, release,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, fair: bool = True):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.release = release  # frees a request's pages (the engine owns the free path)
+        self.fair = fair
+        self.shares: dict[str, Share] = {}  # tenants not named here have Share()
+        self.counters: dict[str, float] = defaultdict(float)  # weighted tokens served, per tenant
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._active: Counter[str] = Counter()  # requests waiting or running, per tenant
         # Admitting a new request leaves this many pages for running ones to grow into.
         self.watermark = max(1, allocator.num_pages // 100)
 
     def add(self, req: Request) -> None:
         if req.is_terminal:
             raise RuntimeError(f"request {req.request_id} is {req.state.value} and cannot be queued")
+        if not self._active[req.tenant]:  # becoming active: no credit for the time it was idle
+            active = [self.counters[t] for t, n in self._active.items() if n]
+            if active:
+                self.counters[req.tenant] = max(self.counters[req.tenant], min(active))
+        self._active[req.tenant] += 1
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -37,6 +61,9 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        else:
+            return
+        self._active[req.tenant] -= 1
 
     @property
     def num_unfinished(self) -> int:
@@ -45,36 +72,74 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """Returns (request, number of tokens to compute) pairs; pages for them are reserved."""
         self._drop_terminal()
-        budget = self.max_num_batched_tokens
+        self.budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
-        in_batch: set[int] = set()
-        ordered = sorted(self.running, key=lambda r: r.num_uncomputed_tokens > 1)  # decodes first
-        for req in ordered:
-            if req not in self.running or budget == 0:
-                continue
-            n = min(req.num_uncomputed_tokens, budget)
-            while not self._reserve(req, n):
-                victim = next((r for r in reversed(self.running) if r.owner not in in_batch), None)
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
-                batch.append((req, n))
-                in_batch.add(req.owner)
-                budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            self._attach_cached_prefix(req)
-            n = min(req.num_uncomputed_tokens, budget)
-            needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.block_table)
-            if needed + self.watermark > self._available() or not self._reserve(req, n):
-                break
-            self.waiting.popleft()
-            self.running.append(req)
-            req.set_state(RequestState.RUNNING)
-            batch.append((req, n))
-            budget -= n
+        for req in [r for r in self.running if r.num_uncomputed_tokens <= 1]:
+            self._run(req, batch)
+        self._prefill_work([r for r in self.running if r.num_uncomputed_tokens > 1], batch)
         return batch
+
+    def _prefill_work(self, prefills: list[Request], batch: list[tuple[Request, int]]) -> None:
+        """Running prefill chunks, then admissions, tenant by tenant: the lowest counter first."""
+        queues: dict[str, deque[tuple[int, Request]]] = defaultdict(deque)
+        for order, req in enumerate(prefills + list(self.waiting)):
+            queues[req.tenant].append((order, req))
+        heap = [(self._key(t), q[0][0], t) for t, q in queues.items()]
+        heapq.heapify(heap)
+        running = Counter(r.tenant for r in self.running)
+        admitting = True
+        while heap and self.budget > 0:
+            _, _, tenant = heapq.heappop(heap)
+            _, req = queues[tenant].popleft()
+            if req.state == RequestState.RUNNING:
+                self._run(req, batch)
+            else:  # a tenant's running prefills come before its waiting requests
+                cap = self.shares.get(tenant, Share()).max_running
+                if not admitting or len(self.running) >= self.max_num_seqs \
+                        or cap is not None and running[tenant] >= cap:
+                    continue  # nothing more of this tenant's can start this step
+                if req in self.waiting:
+                    admitting = self._admit(req, batch)
+                    running[tenant] += admitting
+            if queues[tenant]:
+                heapq.heappush(heap, (self._key(tenant), queues[tenant][0][0], tenant))
+
+    def _key(self, tenant: str) -> float:
+        return self.counters[tenant] if self.fair else 0.0
+
+    def _charge(self, req: Request, n: int) -> None:
+        self.counters[req.tenant] += n / self.shares.get(req.tenant, Share()).weight
+
+    def _run(self, req: Request, batch: list[tuple[Request, int]]) -> None:
+        """Schedules a running request's next tokens, preempting others for pages if need be."""
+        if req not in self.running or self.budget == 0:
+            return
+        n = min(req.num_uncomputed_tokens, self.budget)
+        while not self._reserve(req, n):
+            in_batch = {r.owner for r, _ in batch}
+            candidates = [(self._key(r.tenant), i, r) for i, r in enumerate(self.running) if r.owner not in in_batch]
+            victim = max(candidates, key=lambda c: c[:2])[2] if candidates else None
+            self._preempt(victim)
+            if victim is req:
+                return
+        batch.append((req, n))
+        self._charge(req, n)
+        self.budget -= n
+
+    def _admit(self, req: Request, batch: list[tuple[Request, int]]) -> bool:
+        """Starts a waiting request if its first chunk fits; False stops admissions this step."""
+        self._attach_cached_prefix(req)
+        n = min(req.num_uncomputed_tokens, self.budget)
+        needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.block_table)
+        if needed + self.watermark > self._available() or not self._reserve(req, n):
+            return False
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.set_state(RequestState.RUNNING)
+        batch.append((req, n))
+        self._charge(req, n)
+        self.budget -= n
+        return True
 
     def _available(self) -> int:
         evictable = self.prefix_cache.num_evictable if self.prefix_cache else 0
@@ -84,7 +149,7 @@ class Scheduler:
         if self.prefix_cache is None or req.prefix_checked or req.block_table:
             return
         req.prefix_checked = True
-        pages = self.prefix_cache.lookup(req.tenant, req.all_token_ids)
+        pages = self.prefix_cache.lookup(req.tenant, req.owner, req.all_token_ids)
         req.block_table.extend(pages)
         req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
         req.num_shared_pages = len(pages)

@@ -5,7 +5,8 @@ prefix cache (PREFIX_OWNER, with a reference count of the requests that read it)
 free gives the page a fresh generation from one counter for the whole pool, so every
 (page, generation) pair names one page lifetime: an entry granted before a free, or an
 entry copied from another request's table, never matches what was recorded at grant. `written` counts the slots of a page its owner has filled, so
-nobody can read a slot that was not written for them.
+nobody can read a slot that was not written for them. A prefix-cache page also records the
+tenant that cached it and which requests hold its references, for the sentinel to check.
 """
 from collections import deque
 
@@ -13,6 +14,7 @@ import numpy as np
 
 FREE = -1
 PREFIX_OWNER = -2
+NO_TENANT = -1
 
 
 class OwnershipError(RuntimeError):
@@ -28,6 +30,11 @@ class PageAllocator:
         self._next_generation = num_pages
         self.written = np.zeros(num_pages, dtype=np.int64)
         self.refcount = np.zeros(num_pages, dtype=np.int64)
+        # Shared pages: the tenant whose prefix cache holds each (a number, see tenant_number),
+        # and which requests hold their references.
+        self.tenant = np.full(num_pages, NO_TENANT, dtype=np.int64)
+        self.references: dict[int, list[int]] = {}  # owner -> shared pages it holds, in table order
+        self._tenant_numbers: dict[str, int] = {}
         # A stack: the most recently freed pages, still warm in cache, are reused first.
         self._free = deque(reversed(range(num_pages)))
 
@@ -68,6 +75,7 @@ class PageAllocator:
         self._next_generation += 1
         self.written[page] = 0
         self.refcount[page] = 0
+        self.tenant[page] = NO_TENANT
         self._free.append(page)
 
     def mark_written(self, owner: int, page: int, upto: int) -> None:
@@ -77,22 +85,36 @@ class PageAllocator:
 
     # --- shared prefix pages ---------------------------------------------------------
 
-    def share(self, owner: int, page: int) -> None:
-        """Hand a full page from its request to the prefix cache (refcount 1: the request)."""
+    def tenant_number(self, tenant: str) -> int:
+        return self._tenant_numbers.setdefault(tenant, len(self._tenant_numbers))
+
+    def share(self, owner: int, page: int, tenant: str) -> None:
+        """Hand a request's full page to `tenant`'s prefix cache (refcount 1: the request)."""
         if self.owner[page] != owner or self.written[page] != self.page_size:
             raise OwnershipError(f"owner {owner} cannot share page {page}")
         self.owner[page] = PREFIX_OWNER
         self.refcount[page] = 1
+        self.tenant[page] = self.tenant_number(tenant)
+        self.references.setdefault(owner, []).append(page)
 
-    def acquire_shared(self, page: int) -> None:
+    def acquire_shared(self, page: int, owner: int) -> None:
         if self.owner[page] != PREFIX_OWNER:
             raise OwnershipError(f"page {page} is not a prefix-cache page")
         self.refcount[page] += 1
+        self.references.setdefault(owner, []).append(page)
 
-    def release_shared(self, page: int) -> None:
-        if self.owner[page] != PREFIX_OWNER or self.refcount[page] <= 0:
-            raise OwnershipError(f"page {page} released without a reference")
-        self.refcount[page] -= 1
+    def release_references(self, owner: int) -> list[int]:
+        """Drops every reference the records say `owner` holds; returns those pages."""
+        pages = self.references.pop(owner, [])
+        for page in pages:
+            if self.owner[page] != PREFIX_OWNER or self.refcount[page] <= 0:
+                raise OwnershipError(f"page {page} released without a reference")
+            self.refcount[page] -= 1
+        return pages
+
+    def holds_shared(self, owner: int, pages: list[int]) -> bool:
+        """Whether `pages` are exactly the shared pages `owner` took references on, in order."""
+        return self.references.get(owner, []) == pages
 
     def evict_shared(self, page: int) -> None:
         """The prefix cache drops a page nobody reads any more."""

@@ -2,7 +2,8 @@
 
 A page is found by a chain hash over (tenant, tokens of every page up to and including
 it), so tenant B can never hit, or time, a prefix only tenant A has sent. Cached pages
-are owned by the cache (PREFIX_OWNER) and reference-counted by the requests that read
+are owned by the cache (PREFIX_OWNER), recorded with the tenant that cached them (for the
+sentinel to check whoever reads them), and reference-counted by the requests that read
 them; unreferenced ones are evicted least recently used first when the pool runs short.
 """
 import hashlib
@@ -34,9 +35,9 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self.lru)
 
-    def lookup(self, tenant: str, token_ids: list[int]) -> list[int]:
-        """Takes a reference on the longest cached run of full pages that leaves at least
-        one prompt token to compute (its logits give the first output token)."""
+    def lookup(self, tenant: str, owner: int, token_ids: list[int]) -> list[int]:
+        """Takes, for `owner`, a reference on the longest cached run of full pages that leaves
+        at least one prompt token to compute (its logits give the first output token)."""
         ps = self.allocator.page_size
         usable = (len(token_ids) - 1) // ps
         found = []
@@ -46,7 +47,7 @@ class PrefixCache:
                 break
             found.append(page)
         for page in found:
-            self.allocator.acquire_shared(page)
+            self.allocator.acquire_shared(page, owner)
             self.lru.pop(page, None)
         self.queried_tokens += len(token_ids)
         self.hit_tokens += len(found) * ps
@@ -62,16 +63,15 @@ class PrefixCache:
             page = block_table[i]
             if keys[i] in self.pages or self.allocator.owner[page] != owner or self.allocator.written[page] != ps:
                 break  # only pages this request fully wrote itself enter the cache
-            self.allocator.share(owner, page)
+            self.allocator.share(owner, page, tenant)
             self.pages[keys[i]] = page
             self.keys[page] = keys[i]
             num_shared = i + 1
         return num_shared
 
-    def release(self, pages: list[int]) -> None:
-        """Drops one reference on each page; unreferenced pages become evictable."""
-        for page in pages:
-            self.allocator.release_shared(page)
+    def release(self, owner: int) -> None:
+        """Drops the references `owner` holds; pages nobody references become evictable."""
+        for page in self.allocator.release_references(owner):
             if self.allocator.refcount[page] == 0:
                 self.lru[page] = None
 

@@ -1,20 +1,23 @@
 """Runtime check of the ownership invariant, run before every forward step.
 
 For each request in the batch: every page of its block table is owned by it (or is a
-prefix-cache page it holds a reference to), still carries the generation it had when it
-was granted, and every position attention will read was written for this request.
+prefix-cache page of its own tenant's cache that it holds a reference to), still carries
+the generation it had when it was granted, and every position attention will read was
+written for this request.
 """
 import numpy as np
 
 from kvfence.kv.allocator import PREFIX_OWNER, PageAllocator
 
 
-def check_block_table(allocator: PageAllocator, owner: int, block_table: list[int], generations: list[int],
-                      num_shared: int, num_written: int, num_tokens: int) -> str | None:
+def check_block_table(allocator: PageAllocator, owner: int, tenant: int, block_table: list[int],
+                      generations: list[int], num_shared: int, num_written: int,
+                      num_tokens: int) -> str | None:
     """Returns None when the request may write and read positions [0, num_tokens), of which
     [0, num_written) must already hold its KV; else says what is wrong.
 
-    The first `num_shared` pages are prefix-cache pages the request holds references to.
+    The first `num_shared` pages are prefix-cache pages of the request's tenant (its number,
+    allocator.tenant_number) that the request holds references to.
     """
     ps = allocator.page_size
     needed = -(-num_tokens // ps)
@@ -28,15 +31,31 @@ def check_block_table(allocator: PageAllocator, owner: int, block_table: list[in
     for i, p in enumerate(pages):
         if owners[i] != (PREFIX_OWNER if i < num_shared else owner):
             return f"page {p} is owned by {owners[i]}, not by this request"
-    if any(count <= 0 for count in allocator.refcount[pages[:num_shared]].tolist()):
-        return "shared prefix page held without a reference"
     for i, p in enumerate(pages):
         if issued[i] != generations[i]:
             return f"page {p} was freed and reissued since it was granted (generation changed)"
+    if num_shared:
+        problem = check_shared_prefix(allocator, owner, tenant, pages[:num_shared])
+        if problem:
+            return problem
     for i, p in enumerate(pages):
         required = min(max(num_written - i * ps, 0), ps)
         if written[i] < required:
             return f"page {p} holds {written[i]} written slots, attention would read {required}"
+    return None
+
+
+def check_shared_prefix(allocator: PageAllocator, owner: int, tenant: int,
+                        shared: list[int]) -> str | None:
+    """The request's leading prefix-cache pages are referenced, were cached by the request's
+    own tenant, and are held through references the request took itself."""
+    if (allocator.refcount[shared] <= 0).any():
+        return "shared prefix page held without a reference"
+    for p, cached_by in zip(shared, allocator.tenant[shared].tolist()):
+        if cached_by != tenant:
+            return f"page {p} was cached by another tenant"  # not which: the client sees this
+    if not allocator.holds_shared(owner, shared):
+        return "shared prefix pages read without references this request took"
     return None
 
 
@@ -47,21 +66,22 @@ ONE_BY_ONE_PAGES = 128
 
 
 def check_batch(allocator: PageAllocator, entries: list[tuple]) -> list[str | None]:
-    """check_block_table for every (owner, block_table, generations, num_shared, num_written,
-    num_tokens) of a step, in one vectorized pass over all their pages: called one by one, the
-    checks cost a few percent of a bf16 decode step at batch 64. Small batches, and any batch
-    where something is wrong (to name the problem), are checked one by one."""
-    if sum(len(entry[1]) for entry in entries) <= ONE_BY_ONE_PAGES:
+    """check_block_table for every (owner, tenant, block_table, generations, num_shared,
+    num_written, num_tokens) of a step, in one vectorized pass over all their pages: called one
+    by one, the checks cost a few percent of a bf16 decode step at batch 64. Small batches, and
+    any batch where something is wrong (to name the problem), are checked one by one."""
+    if sum(len(entry[2]) for entry in entries) <= ONE_BY_ONE_PAGES:
         return [check_block_table(allocator, *entry) for entry in entries]
     ps = allocator.page_size
-    pages, generations, owners, counts, shared, written = [], [], [], [], [], []
-    for owner, table, gens, num_shared, num_written, num_tokens in entries:
+    pages, generations, owners, tenants, counts, shared, written = [], [], [], [], [], [], []
+    for owner, tenant, table, gens, num_shared, num_written, num_tokens in entries:
         needed = -(-num_tokens // ps)
         if len(table) < needed or len(gens) != len(table):
             return [check_block_table(allocator, *entry) for entry in entries]
         pages += table[:needed]
         generations += gens[:needed]
         owners.append(owner)
+        tenants.append(tenant)
         counts.append(needed)
         shared.append(num_shared)
         written.append(num_written)
@@ -70,11 +90,15 @@ def check_batch(allocator: PageAllocator, entries: list[tuple]) -> list[str | No
     expected_owner = np.repeat(np.asarray(owners, dtype=np.int64), counts)
     is_shared = index < np.repeat(np.asarray(shared, dtype=np.int64), counts)
     expected_owner[is_shared] = PREFIX_OWNER
+    expected_tenant = np.repeat(np.asarray(tenants, dtype=np.int64), counts)
     required = np.clip(np.repeat(np.asarray(written, dtype=np.int64), counts) - index * ps, 0, ps)
     if (pages.size == 0 or pages.min() >= 0 and pages.max() < allocator.num_pages) \
             and (allocator.owner[pages] == expected_owner).all() \
             and (allocator.refcount[pages[is_shared]] > 0).all() \
+            and (allocator.tenant[pages[is_shared]] == expected_tenant[is_shared]).all() \
             and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all() \
-            and (allocator.written[pages] >= required).all():
+            and (allocator.written[pages] >= required).all() \
+            and all(allocator.holds_shared(owner, table[:num_shared])
+                    for owner, _, table, _, num_shared, _, _ in entries if num_shared):
         return [None] * len(entries)
     return [check_block_table(allocator, *entry) for entry in entries]

@@ -34,6 +34,11 @@ class AttentionMetadata:
         positions = torch.arange(width, device=self.decode_lens.device)
         return (positions[None, :] < self.decode_lens[:, None])[:, None, None, :]
 
+    @cached_property
+    def past_decode_lens(self) -> torch.Tensor:
+        """[Rd, 1, P * page_size, 1] bool: the gathered slots past each decode row's length."""
+        return ~self.decode_mask.transpose(2, 3)
+
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int) -> torch.Tensor:
     """[Rd, KVH, P * page_size, D]: whole pages copied out of the pool in block-table order."""
@@ -68,8 +73,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         else:
             # [Rd, KVH, G, D]: the G query heads sharing a KV head act as G query rows.
             qd = q[:rd].float().view(rd, num_kv_heads, group, head_dim)
-            k = gather_pages(k_cache, meta.decode_block_table, meta.page_size).float()
-            v = gather_pages(v_cache, meta.decode_block_table, meta.page_size).float()
+            # Zeroed, not only masked: a stale NaN past a row's length (a freed page's previous
+            # owner, the scratch page) would survive a zero attention weight, as 0 x NaN is NaN.
+            table, hidden = meta.decode_block_table, meta.past_decode_lens
+            k = gather_pages(k_cache, table, meta.page_size).float().masked_fill_(hidden, 0.0)
+            v = gather_pages(v_cache, table, meta.page_size).float().masked_fill_(hidden, 0.0)
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
             out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:

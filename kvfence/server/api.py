@@ -2,6 +2,8 @@
 import asyncio
 import json
 import logging
+import socket
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -16,15 +18,21 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.model.tokenizer import apply_chat_template
-from kvfence.server.async_engine import AsyncEngine, Overloaded, RequestHandle
+from kvfence.server.async_engine import (STREAM_STALL_TIMEOUT_S, AsyncEngine, ClientDisconnected,
+                                         Overloaded, RequestHandle, StreamStalled)
 from kvfence.server.auth import ApiKeys
+from kvfence.engine.scheduler import Share
 from kvfence.server.metrics import Metrics
+from kvfence.server.quotas import OverQuota, Quotas
 from kvfence.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                      TokenizeRequest)
 
 log = logging.getLogger("kvfence.server")
 MAX_PROMPTS_PER_REQUEST = 64
-DISCONNECT_POLL_S = 0.5
+METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text format
+# Unsent bytes the kernel keeps per connection: a client that stops reading then blocks its
+# stream after tens of KB, instead of the megabytes a send buffer grows to on its own.
+UNSENT_BYTES_LIMIT = 16 * 1024
 
 
 class APIError(Exception):
@@ -90,14 +98,22 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
 
 class Server:
     def __init__(self, engine: LLMEngine, api_keys: ApiKeys, served_model_name: str | None = None,
-                 max_pending: int = 256, max_body_bytes: int = 4 * 1024 * 1024):
+                 max_pending: int = 256, max_body_bytes: int = 4 * 1024 * 1024,
+                 stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
+                 report_cached_tokens: bool = True):
         self.engine = engine
-        self.async_engine = AsyncEngine(engine, max_pending)
+        self.async_engine = AsyncEngine(engine, max_pending, stream_stall_timeout)
         self.api_keys = api_keys
+        # Off where every caller shares one prefix cache: the count tells who sent a prompt.
+        self.report_cached_tokens = report_cached_tokens
         self.model_name = served_model_name or engine.model_name
         self.max_body_bytes = max_body_bytes
         self.metrics = Metrics(lambda: engine)
         self.tokenizer = engine.tokenizer
+        self.quotas = Quotas(api_keys)
+        engine.scheduler.shares = {name: Share(t.weight, t.max_concurrent_requests)
+                                   for name, t in api_keys.tenants.items()}
+        engine.on_finish.append(self.metrics.observe_finished)
 
     # --- request handling helpers ---------------------------------------------------------
 
@@ -130,12 +146,29 @@ class Server:
         return [await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p) for p in prompts]
 
     def start(self, prompts, params, tenant) -> RequestHandle:
-        """Submits a request to the engine; admission errors become 400, overload 429."""
-        return self._translate(lambda: self.async_engine.submit(prompts, params, tenant))
+        """Submits a request to the engine once its tenant's limits allow it: admission errors
+        become 400, a tenant over its limits or an overloaded server 429."""
+        prompt_tokens = sum(len(p) for p in prompts)
+        most = prompt_tokens + params.n * sum(params.max_tokens or self.engine.max_model_len - len(p)
+                                              for p in prompts)
+        try:
+            charge = self.quotas.charge(tenant, len(prompts) * params.n, most)
+        except OverQuota as e:
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        try:
+            handle = self._translate(lambda: self.async_engine.submit(prompts, params, tenant))
+        except APIError:
+            self.quotas.refund(charge, most)
+            raise
+        handle.on_close = lambda h: self.quotas.refund(charge, most - prompt_tokens - h.generated)
+        return handle
 
     def start_stream(self) -> RequestHandle:
-        """Opens the output stream of one request that a disaggregated worker adds itself."""
-        return self._translate(lambda: self.async_engine.open(1, 1))
+        """Opens the output stream of one request that a disaggregated worker adds itself. It
+        counts toward --max-pending for as long as the engine holds its pages: parked for a
+        decode worker's read, or reserved for one in progress."""
+        return self._translate(lambda: self.async_engine.open(1, 1, held=True))
 
     @staticmethod
     def _translate(fn):
@@ -149,16 +182,15 @@ class Server:
 
     async def outputs(self, handle: RequestHandle, request: Request):
         """Yields (index, output) until done; stops (aborting the rest) if the client leaves."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(handle, request))
         started = last = time.monotonic()
         first = True
         try:
             while handle.remaining:
                 try:
-                    index, out = await handle.next(DISCONNECT_POLL_S)
-                except (TimeoutError, asyncio.TimeoutError):
-                    if await request.is_disconnected():
-                        return
-                    continue
+                    index, out = await handle.next()
+                except ClientDisconnected:
+                    return
                 now = time.monotonic()
                 if out.delta_token_ids:
                     (self.metrics.ttft if first else self.metrics.itl).observe(now - (started if first else last))
@@ -166,6 +198,7 @@ class Server:
                 yield index, out
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
+            watcher.cancel()
             handle.close()
 
     def token_text(self, token_id: int) -> str:
@@ -194,12 +227,20 @@ class Server:
         if out.error:
             raise APIError(500, out.error, type="internal_error", code="request_failed")
 
-    @staticmethod
-    def usage(prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
+    def usage(self, prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
         prompt_tokens = sum(len(p) for p in prompts)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                 "total_tokens": prompt_tokens + completion_tokens}
+        if self.report_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
+
+
+async def _cancel_on_disconnect(handle: RequestHandle, request: Request) -> None:
+    """Ends the request as soon as its client goes, whether outputs are waiting or not."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    handle.cancel(ClientDisconnected())
 
 
 def _sse(obj) -> str:
@@ -263,9 +304,11 @@ async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Reques
     return {**head, "choices": choices, "usage": s.usage(p.prompts, completion_tokens, cached)}
 
 
-def create_app(server_factory: Callable[[], Server], role: str = "unified") -> FastAPI:
+def create_app(server_factory: Callable[[], Server], role: str = "unified",
+               serve_metrics: bool = True) -> FastAPI:
     """The app; `server_factory` loads the model before the first request is accepted, and
-    the Server is then `app.state.server`. Prefill and decode workers add their own routes."""
+    the Server is then `app.state.server`. Prefill and decode workers add their own routes.
+    Without `serve_metrics` (metrics on a listener of their own), GET /metrics answers 404."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
@@ -300,12 +343,16 @@ def create_app(server_factory: Callable[[], Server], role: str = "unified") -> F
                                                 code="internal_error"))
 
     @app.get("/health")
-    async def health():
-        return {"status": "ok", "role": role}
+    async def health(request: Request):
+        fault = srv(request).engine.config.inject_fault
+        return {"status": "ok", "role": role, **({"fault": fault} if fault else {})}
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        return Response(srv(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    if serve_metrics:
+        @app.get("/metrics")
+        async def metrics(request: Request):
+            s = srv(request)  # an admin key also gets the per-tenant series
+            private = s.api_keys.is_admin(request.headers.get("authorization"))
+            return Response(s.metrics.render(private), media_type=METRICS_MEDIA_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -355,28 +402,52 @@ def create_app(server_factory: Callable[[], Server], role: str = "unified") -> F
     return app
 
 
+def serve(app: FastAPI, host: str, port: int, **uvicorn_options) -> None:
+    """Runs the app with uvicorn on a socket that holds little unsent data, so that a stream
+    whose client stops reading is soon not pulled (and aborted, --stream-stall-timeout)."""
+    import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+
+    config = uvicorn.Config(app, host=host, port=port, **uvicorn_options)
+    sock = config.bind_socket()
+    if hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux and macOS
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES_LIMIT)
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
+
+
 async def _stream(s: Server, handle, request, head, prompts, include_usage, chunk_for):
-    """Server-sent events: one chunk per output, an error event if a request fails, usage, [DONE]."""
+    """Server-sent events: one chunk per output, an error event if a request fails or its
+    client stops reading, usage, [DONE]."""
     completion_tokens, cached = 0, {}
-    async for index, out in s.outputs(handle, request):
-        if out.error:
-            yield _sse(APIError(500, out.error, type="internal_error", code="request_failed").body())
-            handle.close()
-            break
-        completion_tokens += len(out.delta_token_ids)
-        cached[index] = out.num_cached_tokens
-        for choice in chunk_for(index, out):
-            yield _sse({**head, "choices": [choice]})
-    else:
-        if include_usage:
-            yield _sse({**head, "choices": [], "usage": s.usage(prompts, completion_tokens, sum(cached.values()))})
+    try:
+        async for index, out in s.outputs(handle, request):
+            if out.error:
+                failed = APIError(500, out.error, type="internal_error", code="request_failed")
+                yield _sse(failed.body())
+                handle.close()
+                break
+            completion_tokens += len(out.delta_token_ids)
+            cached[index] = out.num_cached_tokens
+            for choice in chunk_for(index, out):
+                yield _sse({**head, "choices": [choice]})
+        else:
+            if include_usage:
+                usage = s.usage(prompts, completion_tokens, sum(cached.values()))
+                yield _sse({**head, "choices": [], "usage": usage})
+    except StreamStalled as e:  # read only by a client that comes back to its stream
+        yield _sse(APIError(408, str(e), type="timeout_error", code="stream_stalled").body())
     yield "data: [DONE]\n\n"
 
 
 def _completion_chunks(s):
     def chunks(index, out):
-        logprobs = s.completion_logprobs(out.logprobs[-len(out.delta_token_ids):], 0) \
-            if out.logprobs and out.delta_token_ids else None
+        logprobs = s.completion_logprobs(out.delta_logprobs, 0) if out.delta_logprobs else None
         if out.delta_text or out.finished or logprobs:
             yield {"index": index, "text": out.delta_text, "logprobs": logprobs,
                    "finish_reason": out.finish_reason if out.finished else None}
@@ -392,8 +463,8 @@ def _chat_chunks(s, want_logprobs):
             opened.add(index)
             yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                    "finish_reason": None}
-        logprobs = s.chat_logprobs(out.logprobs[-len(out.delta_token_ids):]) \
-            if want_logprobs and out.delta_token_ids else None
+        wanted = want_logprobs and out.delta_logprobs
+        logprobs = s.chat_logprobs(out.delta_logprobs) if wanted else None
         if out.delta_text or logprobs:
             yield {"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs, "finish_reason": None}
         if out.finished:

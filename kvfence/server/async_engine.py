@@ -7,34 +7,46 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 
 from kvfence.engine.llm_engine import LLMEngine
-from kvfence.engine.output import RequestOutput
-from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.output import RequestOutput, merged
+from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger("kvfence.server")
+STREAM_STALL_TIMEOUT_S = 30.0
 
 
 class Overloaded(Exception):
     """Too many requests in flight; the client should retry later."""
 
 
+class ClientDisconnected(Exception):
+    """The client closed its connection; the request was aborted."""
+
+
+class StreamStalled(Exception):
+    """The client stopped taking outputs for too long; the request was aborted."""
+
+
 @dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    handle: "RequestHandle"
     offset: int  # choice index of this prompt's first completion
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending: int):
+    def __init__(self, engine: LLMEngine, max_pending: int,
+                 stall_timeout: float = STREAM_STALL_TIMEOUT_S):
         self.engine = engine
-        self.max_pending = max_pending
+        self.max_pending = max_pending  # sequences (prompts x n) in flight
+        self.stall_timeout = stall_timeout
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._in_flight = 0
+        self._held: dict[str, int] = {}  # request id -> sequences counted until the engine drops it
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
@@ -48,15 +60,24 @@ class AsyncEngine:
             self._inbox.put(("add", rid, prompt, params, tenant))
         return handle
 
-    def open(self, num_prompts: int, n: int) -> "RequestHandle":
-        """Registers the output streams of a request about to enter the engine."""
+    def open(self, num_prompts: int, n: int, held: bool = False) -> "RequestHandle":
+        """Registers the output streams of a request about to enter the engine; it counts as
+        num_prompts x n sequences toward max_pending, `held` ones until the engine has let go
+        of their pages (KV parked for a reader, or under transfer), even after the stream closes."""
+        sequences = num_prompts * n
+        if sequences > self.max_pending:  # never fits: retrying would not help
+            raise InvalidRequest(
+                f"the request asks for {sequences} sequences ({num_prompts} prompts x n={n}); this "
+                f"server runs at most {self.max_pending} at once", "n", "too_many_sequences")
         with self._lock:
-            if self._in_flight + num_prompts > self.max_pending:
-                raise Overloaded(f"{self._in_flight} requests in flight, the limit is {self.max_pending}")
-            self._in_flight += num_prompts
-        handle = RequestHandle(self, [uuid.uuid4().hex for _ in range(num_prompts)], num_prompts * n)
-        for i, rid in enumerate(handle.ids):
-            self._streams[rid] = _Stream(handle.loop, handle.queue, i * n)
+            if self._in_flight + sequences > self.max_pending:
+                raise Overloaded(
+                    f"{self._in_flight} sequences in flight, the limit is {self.max_pending}")
+            self._in_flight += sequences
+        ids = [uuid.uuid4().hex for _ in range(num_prompts)]
+        handle = RequestHandle(self, ids, sequences, self.stall_timeout, held)
+        for i, rid in enumerate(ids):
+            self._streams[rid] = _Stream(handle, i * n)
         return handle
 
     def post(self, fn) -> None:
@@ -75,14 +96,27 @@ class AsyncEngine:
             if handle.remaining:
                 self._inbox.put(("abort", rid))
         with self._lock:
-            self._in_flight -= len(handle.ids)
+            if handle.held:
+                self._held.update((rid, handle.num_sequences // len(handle.ids)) for rid in handle.ids)
+            else:
+                self._in_flight -= handle.num_sequences
+        if handle.held:
+            self._inbox.put(("call", None, lambda engine: None))  # wakes the loop to settle it
+
+    def _settle_held(self) -> None:
+        """Stops counting held requests the engine has let go of (engine thread)."""
+        e = self.engine
+        with self._lock:
+            gone = [r for r in self._held if r not in e.requests and r not in e.parked and r not in e.receiving]
+            for rid in gone:
+                self._in_flight -= self._held.pop(rid)
 
     def _deliver(self, request_id: str, item) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
         index = stream.offset + (item.index if isinstance(item, RequestOutput) else 0)
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, (index, item))
+        stream.handle.loop.call_soon_threadsafe(stream.handle.put, index, item)
 
     def _handle(self, message: tuple) -> None:
         kind, rid, *rest = message
@@ -92,6 +126,8 @@ class AsyncEngine:
                 result, error = fn(self.engine), None
             except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 result, error = None, e
+            if self._held:  # what fn freed no longer counts by the time its caller hears back
+                self._settle_held()
             if future is not None:
                 future.get_loop().call_soon_threadsafe(_settle, future, result, error)
             elif error is not None:
@@ -119,6 +155,8 @@ class AsyncEngine:
                     self._handle(self._inbox.get_nowait())
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
+                if self._held:
+                    self._settle_held()
             except Exception:  # noqa: BLE001 - fail every live request loudly, keep serving
                 log.exception("engine step failed; failing the requests in flight")
                 for rid in list(self.engine.requests):
@@ -138,30 +176,76 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 
 class RequestHandle:
-    """One submitted API request (one or more prompts, n completions each)."""
+    """One submitted API request (one or more prompts, n completions each). Outputs that
+    arrive before the reader took the previous one are merged, so a reader that falls behind
+    holds at most one pending output per choice, however long it does not read."""
 
-    def __init__(self, engine: AsyncEngine, ids: list[str], num_completions: int):
+    def __init__(self, engine: AsyncEngine, ids: list[str], num_sequences: int,
+                 stall_timeout: float, held: bool = False):
         self.engine = engine
+        self.held = held
+        self.generated = 0  # tokens delivered, read or not
+        self.on_close = None  # called with this handle once it closes
         self.ids = ids
-        self.remaining = num_completions
+        self.num_sequences = self.remaining = num_sequences
+        self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
         self.closed = False
+        self._pending: dict[int, RequestOutput] = {}  # choice index -> output not yet taken
+        self._unread_since: float | None = None  # when the pending outputs started waiting
+        self._ended: Exception | None = None  # why the request was ended early
+        self._ready = asyncio.Event()
+
+    def put(self, index: int, item: RequestOutput | Exception) -> None:
+        """Takes one delivery of the engine thread (on the event loop)."""
+        if self.closed:
+            return
+        if isinstance(item, Exception):
+            self.cancel(item)
+            return
+        self.generated += len(item.delta_token_ids)
+        held = self._pending.get(index)
+        self._pending[index] = item if held is None else merged(held, item)
+        now = time.monotonic()
+        if self._unread_since is None:
+            self._unread_since = now
+        elif now - self._unread_since > self.stall_timeout:
+            log.warning("request %s: the client read nothing for %g s; aborting it", self.ids[0],
+                        self.stall_timeout)
+            self.cancel(StreamStalled(f"the client stopped reading the stream for over "
+                                      f"{self.stall_timeout:g} s, so the request was aborted"))
+            return
+        self._ready.set()
 
     async def next(self, timeout: float | None = None) -> tuple[int, RequestOutput]:
-        """The next (choice index, output); raises TimeoutError after `timeout` seconds."""
-        index, item = await asyncio.wait_for(self.queue.get(), timeout)
-        if isinstance(item, Exception):
-            raise item
-        if item.finished:
+        """The next (choice index, output), with everything new for that choice. Raises
+        TimeoutError after `timeout` seconds, or the reason the request was ended early."""
+        if not self._pending and self._ended is None:
+            self._ready.clear()
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        if self._ended is not None:
+            raise self._ended
+        index = next(iter(self._pending))
+        out = self._pending.pop(index)
+        self._unread_since = time.monotonic() if self._pending else None
+        if out.finished:
             self.remaining -= 1
-        return index, item
+        return index, out
+
+    def cancel(self, reason: Exception) -> None:
+        """Ends the request early (aborted, pages freed); next() then raises `reason`."""
+        self._ended = reason
+        self._pending.clear()
+        self._ready.set()
+        self.close()
 
     def close(self) -> None:
         """Ends the request; whatever is still running is aborted and its pages freed."""
         if not self.closed:
             self.closed = True
             self.engine._close(self)
+            if self.on_close:
+                self.on_close(self)
 
     def detach(self) -> None:
         """Stops listening but leaves the request in the engine (a parked prefill)."""
