@@ -1,12 +1,15 @@
 """Shared pieces of the benchmarks: the seeded workload, the matmul peak, the machine line."""
+
 import platform
 import random
 import statistics
 import sys
 import time
+from functools import partial
 
 from kvfence import SamplingParams  # before torch: it sets libgomp's wait as torch loads it
 
+# isort: split
 import torch
 
 
@@ -23,30 +26,48 @@ def machine_line(device: str = "cpu") -> str:
     return line + (f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else "")
 
 
-def mixed_workload(num_requests: int, seed: int, vocab: int = 49152, prompt=(32, 512), output=(32, 256)):
+def mixed_workload(
+    num_requests: int, seed: int, vocab: int = 49152, prompt=(32, 512), output=(32, 256)
+):
     """(prompt token ids, output length) pairs; token ids avoid the first 100 (special) ids."""
     rng = random.Random(seed)
-    return [([rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))], rng.randint(*output))
-            for _ in range(num_requests)]
+    return [
+        (
+            [rng.randrange(100, vocab) for _ in range(rng.randint(*prompt))],
+            rng.randint(*output),
+        )
+        for _ in range(num_requests)
+    ]
 
 
-def matmul_peak_gflops(repeats: int = 20, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+def median_seconds(run, sync, repeats: int) -> float:
+    """Median wall time of run() over `repeats` calls, each between two sync() calls."""
+    times = []
+    for _ in range(repeats):
+        sync()
+        t = time.perf_counter()
+        run()
+        sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def matmul_peak_gflops(
+    repeats: int = 20, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> float:
     """Best GFLOP/s over a few GEMM shapes of this model's size and larger (fp32 unless told)."""
     best = 0.0
     with torch.inference_mode():
         for m, k, n in [(1024, 576, 1536), (2048, 2048, 2048), (512, 576, 49152 // 4)]:
-            a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+            a, b = (
+                torch.randn(m, k, dtype=dtype, device=device),
+                torch.randn(k, n, dtype=dtype, device=device),
+            )
             sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
             for _ in range(3):
                 torch.matmul(a, b)
-            times = []
-            for _ in range(repeats):
-                sync()
-                t = time.perf_counter()
-                torch.matmul(a, b)
-                sync()
-                times.append(time.perf_counter() - t)
-            best = max(best, 2 * m * n * k / statistics.median(times) / 1e9)
+            seconds = median_seconds(partial(torch.matmul, a, b), sync, repeats)
+            best = max(best, 2 * m * n * k / seconds / 1e9)
     return best
 
 
@@ -94,8 +115,13 @@ def fma_peak_gflops(repeats: int = 5) -> float | None:
 
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     try:
-        module = load_inline("kvfence_bench_fma", FMA_LOOP, extra_cflags=flags, extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - no compiler or ninja: the report leaves this peak out
+        module = load_inline(
+            "kvfence_bench_fma",
+            FMA_LOOP,
+            extra_cflags=flags,
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler or ninja: the report leaves this peak out
         print(f"fp32 FMA peak not measured: the loop did not build ({e})", file=sys.stderr)
         return None
     module.fma_loop(1_000_000)
@@ -112,38 +138,45 @@ def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10, device: str = "c
     x = torch.ones(megabytes * 2**20 // 4, device=device)
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
     x.sum()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t = time.perf_counter()
-        x.sum()
-        sync()
-        times.append(time.perf_counter() - t)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / median_seconds(x.sum, sync, repeats) / 1e9
 
 
 def flops_per_token(cfg, with_lm_head: bool = True) -> float:
     """Matmul FLOPs of one token through the model (attention scores excluded)."""
     h, d = cfg.hidden_size, cfg.head_dim
-    per_layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    per_layer = (
+        h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        + cfg.num_heads * d * h
+        + 3 * h * cfg.intermediate_size
+    )
     total = cfg.num_layers * per_layer + (cfg.vocab_size * h if with_lm_head else 0)
     return 2.0 * total
 
 
 def run_kvfence(llm, workload, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Submits (prompt ids, output length) pairs at once (greedy unless a temperature is
-    given; EOS ignored) and steps the engine until all finish. Also times generation alone: the steps once every prompt is in.
+    given; EOS ignored) and steps the engine until all finish. Also times generation alone:
+    the steps once every prompt is in.
     The prefix cache starts empty, so that a workload run again is not served from it."""
     engine = llm.engine
     if engine.prefix_cache is not None:
         engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
     for prompt, out_len in workload:
-        engine.add_request(prompt, SamplingParams(temperature=temperature, top_p=top_p, max_tokens=out_len,
-                                                  ignore_eos=True))
+        engine.add_request(
+            prompt,
+            SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                max_tokens=out_len,
+                ignore_eos=True,
+            ),
+        )
     generated, generation_tokens, generation_s = 0, 0, 0.0
     start = time.perf_counter()
     while engine.has_unfinished():
-        generating = not engine.scheduler.waiting and all(r.output_token_ids for r in engine.scheduler.running)
+        generating = not engine.scheduler.waiting and all(
+            r.output_token_ids for r in engine.scheduler.running
+        )
         t = time.perf_counter()
         tokens = sum(len(o.delta_token_ids) for o in engine.step())
         generated += tokens
@@ -151,5 +184,10 @@ def run_kvfence(llm, workload, temperature: float = 0.0, top_p: float = 1.0) -> 
             generation_s += time.perf_counter() - t
             generation_tokens += tokens
     elapsed = time.perf_counter() - start
-    return {"requests": len(workload), "output_tokens": generated, "seconds": elapsed, "tok_s": generated / elapsed,
-            "generation_tok_s": generation_tokens / generation_s if generation_s else None}
+    return {
+        "requests": len(workload),
+        "output_tokens": generated,
+        "seconds": elapsed,
+        "tok_s": generated / elapsed,
+        "generation_tok_s": generation_tokens / generation_s if generation_s else None,
+    }

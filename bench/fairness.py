@@ -7,6 +7,7 @@ the total output throughput of each run; then the same with `--request-log` on, 
 
 Each server is started here and stopped before the next, so they never share the cores.
 """
+
 import argparse
 import asyncio
 import json
@@ -18,12 +19,10 @@ import time
 from pathlib import Path
 
 import httpx
+from serve import free_port, prompts_of_512_tokens, wait
 
-sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line  # noqa: E402
-from serve import free_port, prompts_of_512_tokens, wait  # noqa: E402
-
-from kvfence import benchmark  # noqa: E402
+from common import machine_line
+from kvfence import benchmark, sse
 
 KEYS = {"sk-flood-0000000000": "flood", "sk-steady-000000000": "steady"}
 CHAT = [{"role": "user", "content": "Name one colour."}]
@@ -31,28 +30,52 @@ CHAT = [{"role": "user", "content": "Name one colour."}]
 
 async def chat(client, url, model, key) -> float:
     """Time to the first content chunk of one short streamed chat."""
-    body = {"model": model, "messages": CHAT, "max_tokens": 16, "temperature": 0, "stream": True}
+    body = {
+        "model": model,
+        "messages": CHAT,
+        "max_tokens": 16,
+        "temperature": 0,
+        "stream": True,
+    }
     start = time.perf_counter()
-    async with client.stream("POST", url + "/v1/chat/completions", json=body,
-                             headers={"Authorization": f"Bearer {key}"}) as r:
+    async with client.stream(
+        "POST",
+        url + "/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+    ) as r:
         if r.status_code != 200:
             raise RuntimeError(f"chat failed: {r.status_code} {(await r.aread())[:200]!r}")
         ttft = None
-        async for line in r.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
-                if any(c.get("delta", {}).get("content") for c in json.loads(line[6:]).get("choices", [])):
-                    ttft = time.perf_counter() - start
+        async for event in sse.events(r):
+            choices = event.get("choices", [])
+            if ttft is None and any(c.get("delta", {}).get("content") for c in choices):
+                ttft = time.perf_counter() - start
     return ttft if ttft is not None else time.perf_counter() - start
 
 
 async def scenario(url: str, flood_prompts: list[str] | None, chats: int, interval: float) -> dict:
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
-        model = (await client.get(url + "/v1/models", headers={"Authorization": f"Bearer {list(KEYS)[0]}"}))
+        model = await client.get(
+            url + "/v1/models", headers={"Authorization": f"Bearer {list(KEYS)[0]}"}
+        )
         model = model.json()["data"][0]["id"]
         flood_key, steady_key = list(KEYS)
         start = time.perf_counter()
-        flood = [asyncio.create_task(benchmark.one(client, url, model, p, 256, {"Authorization": f"Bearer {flood_key}"},
-                                                   True)) for p in flood_prompts or []]
+        flood = [
+            asyncio.create_task(
+                benchmark.one(
+                    client,
+                    url,
+                    model,
+                    p,
+                    256,
+                    {"Authorization": f"Bearer {flood_key}"},
+                    True,
+                )
+            )
+            for p in flood_prompts or []
+        ]
         await asyncio.sleep(1.0 if flood else 0)  # the flood is queued before the chats start
         ttfts = []
         for _ in range(chats):
@@ -64,24 +87,49 @@ async def scenario(url: str, flood_prompts: list[str] | None, chats: int, interv
     if failed:
         raise RuntimeError(f"flood requests failed: {failed[:3]}")
     ordered = sorted(ttfts)
-    return {"ttft_median_s": statistics.median(ordered), "ttft_p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
-            "flood_output_tok_s": sum(r.output_tokens for r in results) / elapsed if results else 0.0}
+    return {
+        "ttft_median_s": statistics.median(ordered),
+        "ttft_p99_s": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+        "flood_output_tok_s": sum(r.output_tokens for r in results) / elapsed if results else 0.0,
+    }
 
 
 def start_kvfence(args, extra: list[str], keys_file: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "kvfence.cli", "serve", "--port", str(port), "--threads", str(args.threads),
-           "--max-model-len", "2048", "--api-keys", keys_file, "--max-pending", "512", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvfence.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--threads",
+        str(args.threads),
+        "--max-model-len",
+        "2048",
+        "--api-keys",
+        keys_file,
+        "--max-pending",
+        "512",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait(f"http://127.0.0.1:{port}", [proc])
     return proc, f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--flood", type=int, default=64)
     ap.add_argument("--chats", type=int, default=16)
-    ap.add_argument("--interval", type=float, default=2.0, help="seconds between the steady tenant's chats")
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=2.0,
+        help="seconds between the steady tenant's chats",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
@@ -89,9 +137,15 @@ def main() -> None:
     keys_file = tmp / "keys.json"
     keys_file.write_text(json.dumps(KEYS))
     flood = prompts_of_512_tokens(args.flood, seed=1)
-    runs = {"alone": (["--scheduling", "fair"], None), "fair": (["--scheduling", "fair"], flood),
-            "fifo": (["--scheduling", "fifo"], flood),
-            "fair + request log": (["--scheduling", "fair", "--request-log", str(tmp / "requests.jsonl")], flood)}
+    runs = {
+        "alone": (["--scheduling", "fair"], None),
+        "fair": (["--scheduling", "fair"], flood),
+        "fifo": (["--scheduling", "fifo"], flood),
+        "fair + request log": (
+            ["--scheduling", "fair", "--request-log", str(tmp / "requests.jsonl")],
+            flood,
+        ),
+    }
     report = {}
     for name, (extra, prompts) in runs.items():
         proc, url = start_kvfence(args, extra, str(keys_file))
@@ -102,15 +156,23 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
         r = report[name]
-        print(f"{name:20} steady tenant TTFT median {1000 * r['ttft_median_s']:7.0f} ms  p99 "
-              f"{1000 * r['ttft_p99_s']:7.0f} ms  flood output {r['flood_output_tok_s']:6.1f} tok/s", flush=True)
+        print(
+            f"{name:20} steady tenant TTFT median {1000 * r['ttft_median_s']:7.0f} ms  p99 "
+            f"{1000 * r['ttft_p99_s']:7.0f} ms  flood output {r['flood_output_tok_s']:6.1f} tok/s",
+            flush=True,
+        )
     alone, fair, fifo, logged = (report[k] for k in runs)
     print(f"\nmachine: {machine_line()}")
-    print(f"p99 TTFT under the flood / alone: fair {fair['ttft_p99_s'] / alone['ttft_p99_s']:.2f}x, "
-          f"fifo {fifo['ttft_p99_s'] / alone['ttft_p99_s']:.2f}x (target: fair at most 2x)")
-    print(f"flood throughput fair / fifo: {fair['flood_output_tok_s'] / fifo['flood_output_tok_s']:.3f} "
-          f"(target: within 5%); with the request log / without: "
-          f"{logged['flood_output_tok_s'] / fair['flood_output_tok_s']:.3f} (target: cost under 1%)")
+    print(
+        f"p99 TTFT under the flood / alone: fair {fair['ttft_p99_s'] / alone['ttft_p99_s']:.2f}x, "
+        f"fifo {fifo['ttft_p99_s'] / alone['ttft_p99_s']:.2f}x (target: fair at most 2x)"
+    )
+    print(
+        f"flood throughput fair / fifo: "
+        f"{fair['flood_output_tok_s'] / fifo['flood_output_tok_s']:.3f} "
+        f"(target: within 5%); with the request log / without: "
+        f"{logged['flood_output_tok_s'] / fair['flood_output_tok_s']:.3f} (target: cost under 1%)"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
 

@@ -11,6 +11,7 @@ so the requests of a workload run one after another: prefill, then tokens (greed
 --temperature) until the request's output length (EOS ignored), on the same threads for
 both. See bench/peer_protocol.py for the protocol.
 """
+
 from peer_protocol import arguments, serve
 
 
@@ -18,7 +19,10 @@ def generate(llm, workload, temperature: float, top_p: float) -> int:
     tokens = 0
     for ids, n in workload:
         # top_k 0 and min_p 0: no cut but top_p, as the other engines; never stops by itself
-        for i, _ in enumerate(llm.generate(ids, temp=temperature, top_p=top_p, top_k=0, min_p=0.0, reset=True), 1):
+        for i, _ in enumerate(
+            llm.generate(ids, temp=temperature, top_p=top_p, top_k=0, min_p=0.0, reset=True),
+            1,
+        ):
             if i == n:
                 break
         tokens += n
@@ -31,9 +35,18 @@ def main() -> None:
     args = ap.parse_args()
     import llama_cpp
 
-    serve(lambda: llama_cpp.Llama(model_path=args.model, n_ctx=args.max_model_len, n_threads=args.threads,
-                                  n_threads_batch=args.threads, verbose=False),
-          generate, args, f"llama-cpp-python {llama_cpp.__version__}")
+    serve(
+        lambda: llama_cpp.Llama(
+            model_path=args.model,
+            n_ctx=args.max_model_len,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            verbose=False,
+        ),
+        generate,
+        args,
+        f"llama-cpp-python {llama_cpp.__version__}",
+    )
 
 
 if __name__ == "__main__":

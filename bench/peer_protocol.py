@@ -7,7 +7,9 @@ a workload of the JSON file it was given ({"mixed": [[prompt token ids, output l
 ...}), and the peer prints that run's result. Every reply is one stdout line: RESULT_PREFIX
 and a JSON object (engines log on stdout too).
 """
+
 import argparse
+import functools
 import json
 import sys
 import time
@@ -21,7 +23,9 @@ def reply(obj: dict) -> None:
 
 def arguments(doc: str, model_help: str) -> argparse.ArgumentParser:
     """The arguments every peer takes; a peer adds its own."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", required=True, help=model_help)
     ap.add_argument("--workload", required=True)
     ap.add_argument("--threads", type=int, default=2)
@@ -47,5 +51,13 @@ def serve(start, generate, args: argparse.Namespace, name: str) -> None:
     reply({"name": name, "startup_s": startup, "workloads": list(workloads)})
     for line in sys.stdin:
         workload = workloads[line.strip()]
-        tokens, seconds = timed(lambda: generate(engine, workload, args.temperature, args.top_p))
-        reply({"requests": len(workload), "output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds})
+        run = functools.partial(generate, engine, workload, args.temperature, args.top_p)
+        tokens, seconds = timed(run)
+        reply(
+            {
+                "requests": len(workload),
+                "output_tokens": tokens,
+                "seconds": seconds,
+                "tok_s": tokens / seconds,
+            }
+        )

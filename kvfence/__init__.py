@@ -1,5 +1,6 @@
 """kvfence: an LLM inference server whose requests never read each other's KV cache."""
-from kvfence import openmp  # noqa: F401 - first: it must run before anything loads torch
+
+from kvfence import openmp as openmp  # first: it must run before anything loads torch
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.llm import LLM
 

@@ -4,6 +4,7 @@ Sends a fixed workload (text prompts of a seeded length, max_tokens of a seeded 
 at a given concurrency or Poisson request rate, streams every answer, and reports request
 throughput, output tokens/s, time to first token and inter-token latency.
 """
+
 import asyncio
 import json
 import random
@@ -14,10 +15,15 @@ from dataclasses import dataclass, field
 import httpx
 from tqdm import tqdm
 
-WORDS = ("the of and to in is that for it as was with be by on not he this are or his from at which but have an "
-         "they you were her she there been one all we their has would when if so no what up out who them some "
-         "time could into than other then its about over only new these may people also after first two like "
-         "river market engine garden window letter planet signal forest winter harbor silver machine").split()
+from kvfence import sse
+
+WORDS = (
+    "the of and to in is that for it as was with be by on not he this are or his from at which but "
+    "have an they you were her she there been one all we their has would when if so no what up out "
+    "who them some time could into than other then its about over only new these may people also "
+    "after first two like river market engine garden window letter planet signal forest winter "
+    "harbor silver machine"
+).split()
 
 
 @dataclass
@@ -33,13 +39,24 @@ class Result:
 
 def workload(num_requests: int, seed: int, prompt_range=(32, 512), output_range=(32, 256)):
     rng = random.Random(seed)
-    return [(" ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_range))), rng.randint(*output_range))
-            for _ in range(num_requests)]
+    return [
+        (
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(*prompt_range))),
+            rng.randint(*output_range),
+        )
+        for _ in range(num_requests)
+    ]
 
 
 async def one(client, url, model, prompt, max_tokens, headers, ignore_eos) -> Result:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if ignore_eos:
         body["ignore_eos"] = True
     res = Result(False, len(prompt.split()))
@@ -50,10 +67,7 @@ async def one(client, url, model, prompt, max_tokens, headers, ignore_eos) -> Re
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
                 return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[6:])
+            async for event in sse.events(r):
                 if event.get("usage"):
                     res.output_tokens = event["usage"].get("completion_tokens", 0)
                 if any(c.get("text") for c in event.get("choices", [])):
@@ -77,12 +91,24 @@ def _stats(values: list[float]) -> dict:
     if not values:
         return {"mean": None, "median": None, "p99": None}
     ordered = sorted(values)
-    return {"mean": statistics.fmean(ordered), "median": statistics.median(ordered),
-            "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]}
+    return {
+        "mean": statistics.fmean(ordered),
+        "median": statistics.median(ordered),
+        "p99": ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))],
+    }
 
 
-async def run(base_url: str, model: str | None, num_requests: int, concurrency: int | None, request_rate: float | None,
-              seed: int, api_key: str | None, ignore_eos: bool, progress: bool = True) -> dict:
+async def run(
+    base_url: str,
+    model: str | None,
+    num_requests: int,
+    concurrency: int | None,
+    request_rate: float | None,
+    seed: int,
+    api_key: str | None,
+    ignore_eos: bool,
+    progress: bool = True,
+) -> dict:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     base_url = base_url.rstrip("/")
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10)) as client:
@@ -112,11 +138,20 @@ async def run(base_url: str, model: str | None, num_requests: int, concurrency: 
     done = [r for r in results if r.ok]
     tokens = sum(r.output_tokens for r in done)
     return {
-        "base_url": base_url, "model": model, "requests": num_requests, "completed": len(done),
-        "failed": len(results) - len(done), "concurrency": concurrency, "request_rate": request_rate,
-        "seconds": elapsed, "request_throughput": len(done) / elapsed, "output_tokens": tokens,
-        "output_tok_s": tokens / elapsed, "ttft_s": _stats([r.ttft for r in done if r.ttft is not None]),
-        "itl_s": _stats([g for r in done for g in r.gaps]), "latency_s": _stats([r.latency for r in done]),
+        "base_url": base_url,
+        "model": model,
+        "requests": num_requests,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "concurrency": concurrency,
+        "request_rate": request_rate,
+        "seconds": elapsed,
+        "request_throughput": len(done) / elapsed,
+        "output_tokens": tokens,
+        "output_tok_s": tokens / elapsed,
+        "ttft_s": _stats([r.ttft for r in done if r.ttft is not None]),
+        "itl_s": _stats([g for r in done for g in r.gaps]),
+        "latency_s": _stats([r.latency for r in done]),
         "first_error": next((r.error for r in results if r.error), None),
     }
 
@@ -125,12 +160,20 @@ def format_table(report: dict) -> str:
     def ms(d, key):
         return "-" if d[key] is None else f"{1000 * d[key]:.1f}"
 
-    lines = [f"{report['base_url']}  model {report['model']}  {report['completed']}/{report['requests']} completed "
-             f"in {report['seconds']:.1f} s",
-             f"request throughput  {report['request_throughput']:.2f} req/s",
-             f"output throughput   {report['output_tok_s']:.1f} tok/s ({report['output_tokens']} tokens)",
-             f"{'':18}{'mean':>10}{'median':>10}{'p99':>10}  (ms)"]
-    for name, key in (("time to first token", "ttft_s"), ("inter-token", "itl_s"), ("request latency", "latency_s")):
+    lines = [
+        f"{report['base_url']}  model {report['model']}  "
+        f"{report['completed']}/{report['requests']} completed "
+        f"in {report['seconds']:.1f} s",
+        f"request throughput  {report['request_throughput']:.2f} req/s",
+        f"output throughput   {report['output_tok_s']:.1f} tok/s "
+        f"({report['output_tokens']} tokens)",
+        f"{'':18}{'mean':>10}{'median':>10}{'p99':>10}  (ms)",
+    ]
+    for name, key in (
+        ("time to first token", "ttft_s"),
+        ("inter-token", "itl_s"),
+        ("request latency", "latency_s"),
+    ):
         d = report[key]
         lines.append(f"{name:18}{ms(d, 'mean'):>10}{ms(d, 'median'):>10}{ms(d, 'p99'):>10}")
     if report["failed"]:
@@ -149,7 +192,12 @@ def plot(reports: list[dict], path: str) -> None:
         raise SystemExit("the PNG plot needs matplotlib: pip install matplotlib") from e
     loads = [r["output_tok_s"] for r in reports]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(loads, [1000 * r["ttft_s"]["median"] for r in reports], "o-", label="TTFT median")
+    ax.plot(
+        loads,
+        [1000 * r["ttft_s"]["median"] for r in reports],
+        "o-",
+        label="TTFT median",
+    )
     ax.plot(loads, [1000 * r["itl_s"]["median"] for r in reports], "s-", label="ITL median")
     ax.set_xlabel("output tokens/s")
     ax.set_ylabel("ms")
@@ -162,8 +210,19 @@ def main(args) -> int:
     levels = [int(c) for c in str(args.concurrency).split(",")] if args.concurrency else [None]
     reports = []
     for level in levels:
-        report = asyncio.run(run(args.base_url, args.model, args.num_requests, level, args.request_rate, args.seed,
-                                 args.api_key, not args.no_ignore_eos, progress=not args.json))
+        report = asyncio.run(
+            run(
+                args.base_url,
+                args.model,
+                args.num_requests,
+                level,
+                args.request_rate,
+                args.seed,
+                args.api_key,
+                not args.no_ignore_eos,
+                progress=not args.json,
+            )
+        )
         reports.append(report)
         if not args.json:
             print(format_table(report))

@@ -1,16 +1,32 @@
-"""Engine configuration and the capacity check that refuses to start a pool too small."""
+"""Engine configuration and the capacity check that refuses to start a pool too small.
+
+Every option is a dataclass field that carries its type (`Literal[...]` for a choice), its
+default and one line of help: kvfence.cli builds the flags and the README's flag table from
+them, and `check_choices` validates every choice from the annotations.
+"""
+
+import functools
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import NoneType, UnionType
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import torch
 
 from kvfence.model.config import ModelConfig
 
 GIB = 1024**3
-DTYPES = ("auto", "float32", "gguf", "gguf-int8", "bfloat16")  # the linear layers' weights (model/linear.py)
-# What the KV pool stores; fp8 is e4m3 with no scale factor (as vLLM's fp8 without calibrated scales).
-KV_CACHE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+# What the KV pool stores; fp8 is e4m3 with no scale factor (as vLLM's fp8 without calibrated
+# scales).
+KV_CACHE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "fp8": torch.float8_e4m3fn,
+}
+KVCacheDtype = Literal[("auto", *KV_CACHE_DTYPES)]
+# The linear layers' weights (model/linear.py).
+Dtype = Literal["auto", "float32", "gguf", "gguf-int8", "bfloat16"]
 ALLOW_FAULTS_ENV = "KVFENCE_ALLOW_FAULTS"  # must be "1" for any injected fault to start
 
 
@@ -18,33 +34,156 @@ class ConfigError(ValueError):
     pass
 
 
+def option(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None) -> Any:
+    """A dataclass field that is also a command-line flag. `help` is the flag's line in --help
+    and in the README; `flag` replaces the one derived from the field's name (--max-num-seqs for
+    max_num_seqs, --no-prefix-cache for a bool that is on by default)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar})
+
+
+@functools.cache
+def option_types(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def value_type(annotation: Any) -> Any:
+    """An option's type without the None that means "not given": int for `int | None`."""
+    if get_origin(annotation) in (Union, UnionType):
+        (annotation,) = [a for a in get_args(annotation) if a is not NoneType]
+    return annotation
+
+
+def choices(annotation: Any) -> tuple[str, ...] | None:
+    """The values a `Literal[...]` option allows; None for an option that is not a choice."""
+    kind = value_type(annotation)
+    return get_args(kind) if get_origin(kind) is Literal else None
+
+
+def check_choices(config: Any) -> None:
+    """Every choice option of a config dataclass holds one of its values, or None where the
+    annotation allows None."""
+    for name, annotation in option_types(type(config)).items():
+        allowed, value = choices(annotation), getattr(config, name)
+        optional = NoneType in get_args(annotation)
+        if allowed is None or value in allowed or (value is None and optional):
+            continue
+        # past four values, "a, b, c or d" reads worse than a plain list
+        listed = (
+            f"one of {', '.join(allowed)}"
+            if len(allowed) > 4
+            else f"{', '.join(allowed[:-1])} or {allowed[-1]}"
+        )
+        raise ConfigError(f"{name} must be {listed}, not '{value}'")
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None           # GGUF file or HF directory; None means the embedded default
-    max_model_len: int | None = None   # None: the model's own context length
-    page_size: int = 16
-    num_kv_pages: int | None = None    # None: derived from kv_memory_gib
-    kv_memory_gib: float = 2.0
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 512
-    device: str = "cpu"
-    enforce_eager: bool = False        # GPU: no CUDA graphs for decode steps (engine/decode_graphs.py)
-    num_threads: int | None = None
-    kv_sentinel: str = "enforce"       # off | log | enforce
-    kv_scrub: str = "off"              # off | on-free
-    attention: str = "auto"            # decode attention: auto | kernel | torch (see model/kernels.py)
-    dtype: str = "auto"                # linear weights: auto | float32 | gguf | gguf-int8 | bfloat16 (model/linear.py)
-    kv_cache_dtype: str = "auto"       # auto (bfloat16 with --dtype bfloat16 or gguf-int8, else float32) | float32 | bfloat16 | fp8
-    prefix_cache: bool = True
-    scheduling: str = "fair"           # fair (weighted, per tenant: engine/scheduler.py) | fifo
-    request_log: str | None = None     # tamper-evident JSON lines, one per finished request
-    request_log_max_mb: float = 64.0   # the request log rotates past this size
-    inject_fault: str | None = None    # test-only: "legacy-reject-path" or "truncated-transfer"
-    seed: int | None = None            # unseeded sampling; None: seeded from the OS
+    model: str | None = option(
+        None,
+        "GGUF file or Hugging Face safetensors directory, of Llama, SmolLM or Qwen2 shape "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+        metavar="PATH",
+    )
+    max_model_len: int | None = option(None, "advertised context length (default: the model's)")
+    page_size: int = option(16, "tokens per KV page")
+    num_kv_pages: int | None = option(None, "KV pool size in pages (default: from --kv-memory-gib)")
+    kv_memory_gib: float = option(
+        2.0, "KV pool memory budget when --num-kv-pages is not given", metavar="GIB"
+    )
+    max_num_seqs: int = option(128, "most requests running at once")
+    max_num_batched_tokens: int = option(
+        512, "token budget of one step (chunked prefill); at least --max-num-seqs"
+    )
+    device: str = option(
+        "cpu",
+        "cpu or cuda (cuda:N; needs a CUDA build of torch); "
+        "disaggregated workers run on the CPU only",
+        metavar="DEVICE",
+    )
+    enforce_eager: bool = option(
+        False,
+        "GPU: launch a decode step's kernels one by one instead of replaying a CUDA graph",
+    )
+    num_threads: int | None = option(
+        None,
+        "CPU threads of the kernels and of torch (default: torch's, one per core)",
+        flag="--threads",
+    )
+    kv_sentinel: Literal["off", "log", "enforce"] = option(
+        "enforce", "check KV page ownership before every step"
+    )
+    kv_scrub: Literal["off", "on-free"] = option("off", "zero KV pages when they are freed")
+    attention: Literal["auto", "kernel", "torch"] = option(
+        "auto",
+        "attention: a C++ kernel reading the pool in place (CPU, built at install) or "
+        "pages gathered in PyTorch (any device); auto takes the kernel where it is installed",
+    )
+    dtype: Dtype = option(
+        "auto",
+        "linear weights: gguf keeps a GGUF file's blocks and gives float32's bits (CPU); "
+        "gguf-int8 and bfloat16 are faster but not bit-equal; auto takes gguf where it "
+        "runs, else float32; see docs/precision.md",
+    )
+    kv_cache_dtype: KVCacheDtype = option(
+        "auto",
+        "KV pool storage: bfloat16 holds twice float32's tokens, fp8 (e4m3, unscaled) four "
+        "times; auto takes bfloat16 with --dtype bfloat16 or gguf-int8, else float32; "
+        "disaggregated workers must agree; see docs/precision.md",
+    )
+    prefix_cache: bool = option(True, "disable the per-tenant prefix cache")
+    scheduling: Literal["fair", "fifo"] = option(
+        "fair",
+        "fair: prefill work goes to the tenant with the least weighted service so far "
+        "(weights from --api-keys); fifo: first come first served across tenants",
+    )
+    request_log: str | None = option(
+        None,
+        "append one hash-chained JSON line per finished request (never its text); "
+        "kvfence verify-log FILE checks it",
+        metavar="FILE",
+    )
+    request_log_max_mb: float = option(
+        64.0,
+        "rotate the request log past this size (FILE.1, FILE.2, ...; the chain continues)",
+        metavar="MB",
+    )
+    inject_fault: Literal["legacy-reject-path", "truncated-transfer"] | None = option(
+        None,
+        "TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers; refused "
+        f"unless {ALLOW_FAULTS_ENV}=1 is in the environment",
+    )
+    seed: int | None = option(None, "seed of unseeded sampling (default: from the OS)")
+
+    # Whether the GGUF blocks run here, as resolve_auto was told; not an option.
+    _gguf_blocks_run = False
+
+    def __post_init__(self) -> None:
+        check_choices(self)
+
+    def resolve_auto(self, gguf_blocks_run: bool) -> None:
+        """Makes `auto` concrete, given whether a GGUF file's blocks run on this device.
+        dtype: gguf where they run (float32's results from a sixth to a third of the bytes), else
+        float32. kv_cache_dtype: bfloat16 under the modes that are not bit-equal anyway
+        (bfloat16, gguf-int8), else float32, so the exact modes stay exact. Idempotent."""
+        self._gguf_blocks_run = gguf_blocks_run
+        if self.dtype == "auto":
+            self.dtype = "gguf" if gguf_blocks_run else "float32"
+        if self.kv_cache_dtype == "auto":
+            inexact = self.dtype in ("bfloat16", "gguf-int8")
+            self.kv_cache_dtype = "bfloat16" if inexact else "float32"
+
+    @property
+    def keeps_blocks(self) -> bool:
+        """Whether the loader keeps the GGUF blocks (once resolve_auto ran): the gguf modes run on
+        them, and bfloat16 does where they run, for the small batches that the kernel serves."""
+        return self.dtype.startswith("gguf") or (self.dtype == "bfloat16" and self._gguf_blocks_run)
 
     def resolve(self, model: ModelConfig) -> None:
         """Fill derived values and check that they agree; raise ConfigError naming the fix."""
+        check_choices(self)
         check_fault_allowed(self.inject_fault)
+        if "auto" in (self.dtype, self.kv_cache_dtype):  # no engine resolved them
+            self.resolve_auto(gguf_blocks_run=False)
         if self.page_size < 1 or self.page_size > 1024:
             raise ConfigError(f"page size {self.page_size} must be in [1, 1024]")
         if self.max_model_len is None:
@@ -53,41 +192,42 @@ class EngineConfig:
             raise ConfigError(f"max_model_len {self.max_model_len} must be at least 2")
         if self.max_model_len > model.max_position_embeddings:
             raise ConfigError(
-                f"max_model_len {self.max_model_len} is over the model's {model.max_position_embeddings} "
-                f"positions: lower --max-model-len to at most {model.max_position_embeddings}")
+                f"max_model_len {self.max_model_len} is over the model's "
+                f"{model.max_position_embeddings} positions: lower --max-model-len to at most "
+                f"{model.max_position_embeddings}"
+            )
         kv_bytes_per_token = self.size_pool(model)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ConfigError(
                 f"max_num_batched_tokens {self.max_num_batched_tokens} is below max_num_seqs "
-                f"{self.max_num_seqs}: every running request must be able to decode in one step")
-        if self.kv_sentinel not in ("off", "log", "enforce"):
-            raise ConfigError(f"kv_sentinel must be off, log or enforce, not '{self.kv_sentinel}'")
-        if self.scheduling not in ("fair", "fifo"):
-            raise ConfigError(f"scheduling must be fair or fifo, not '{self.scheduling}'")
-        if self.kv_scrub not in ("off", "on-free"):
-            raise ConfigError(f"kv_scrub must be off or on-free, not '{self.kv_scrub}'")
-        if self.attention not in ("auto", "kernel", "torch"):
-            raise ConfigError(f"attention must be auto, kernel or torch, not '{self.attention}'")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not '{self.dtype}'")
+                f"{self.max_num_seqs}: every running request must be able to decode in one step"
+            )
         check_device(self.device)
         if self.dtype.startswith("gguf") and self.device != "cpu":
-            raise ConfigError(f"--dtype {self.dtype} runs on the CPU only: use --dtype float32 or bfloat16 on a GPU")
+            raise ConfigError(
+                f"--dtype {self.dtype} runs on the CPU only: use --dtype float32 or "
+                "bfloat16 on a GPU"
+            )
         if self.attention == "kernel" and self.device != "cpu":
-            raise ConfigError("the attention kernel runs on the CPU only: use --attention auto or torch")
+            raise ConfigError(
+                "the attention kernel runs on the CPU only: use --attention auto or torch"
+            )
         if self.inject_fault != "legacy-reject-path":
-            check_capacity(self.num_kv_pages, self.page_size, self.max_model_len, kv_bytes_per_token)
+            check_capacity(
+                self.num_kv_pages,
+                self.page_size,
+                self.max_model_len,
+                kv_bytes_per_token,
+            )
 
     def size_pool(self, model: ModelConfig) -> int:
-        """Fills in the KV dtype `auto` stands for and the page count kv_memory_gib holds;
-        returns the KV bytes per token. `kvfence check-config` sizes the pool through this too."""
-        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
-            raise ConfigError(f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, not '{self.kv_cache_dtype}'")
-        if self.kv_cache_dtype == "auto":  # the exact modes stay exact
-            self.kv_cache_dtype = "bfloat16" if self.dtype in ("bfloat16", "gguf-int8") else "float32"
+        """Fills in the page count kv_memory_gib holds, once kv_cache_dtype is concrete
+        (resolve_auto); returns the KV bytes per token. `kvfence check-config` sizes the pool
+        through this too."""
         kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
         if self.num_kv_pages is None:
-            self.num_kv_pages = int(self.kv_memory_gib * GIB // (kv_bytes_per_token * self.page_size))
+            page_bytes = kv_bytes_per_token * self.page_size
+            self.num_kv_pages = int(self.kv_memory_gib * GIB // page_bytes)
         return kv_bytes_per_token
 
     @property
@@ -99,8 +239,10 @@ def check_fault_allowed(fault: str | None) -> None:
     """A test-only fault starts only where the environment says this is a test: a flag alone,
     copied into a deployment, must not re-create a leak."""
     if fault and os.environ.get(ALLOW_FAULTS_ENV) != "1":
-        raise ConfigError(f"the injected fault {fault} (--inject-fault) is for tests only: set "
-                          f"{ALLOW_FAULTS_ENV}=1 in the environment to allow it")
+        raise ConfigError(
+            f"the injected fault {fault} (--inject-fault) is for tests only: set "
+            f"{ALLOW_FAULTS_ENV}=1 in the environment to allow it"
+        )
 
 
 def check_device(device: str) -> None:
@@ -109,11 +251,16 @@ def check_device(device: str) -> None:
     if device.split(":")[0] != "cuda":
         raise ConfigError(f"device must be cpu or cuda (cuda:N), not '{device}'")
     if not torch.cuda.is_available():
-        raise ConfigError(f"device {device} was asked for but this torch ({torch.__version__}) sees no CUDA GPU: "
-                          "install a CUDA build of torch on a machine with a GPU, or use --device cpu")
+        raise ConfigError(
+            f"device {device} was asked for but this torch ({torch.__version__}) "
+            "sees no CUDA GPU: install a CUDA build of torch on a machine with a "
+            "GPU, or use --device cpu"
+        )
 
 
-def check_capacity(num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int) -> None:
+def check_capacity(
+    num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int
+) -> None:
     """The pool must hold one request of the full advertised context, or nothing starts."""
     capacity = num_pages * page_size
     if capacity >= max_model_len:
@@ -123,5 +270,6 @@ def check_capacity(num_pages: int, page_size: int, max_model_len: int, kv_bytes_
     raise ConfigError(
         f"KV pool holds {capacity} tokens ({num_pages} pages of {page_size}) but max_model_len is "
         f"{max_model_len}: a full-context request could not fit. Raise --num-kv-pages to at least "
-        f"{need_pages} (about {need_gib:.2f} GiB of KV; twice that is advised for concurrency) or lower "
-        f"--max-model-len to at most {capacity}.")
+        f"{need_pages} (about {need_gib:.2f} GiB of KV; twice that is advised for concurrency) or "
+        f"lower --max-model-len to at most {capacity}."
+    )

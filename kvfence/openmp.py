@@ -1,13 +1,14 @@
 """How PyTorch's OpenMP threads (libgomp) wait between parallel regions; imported first by
 the package, since libgomp reads its settings once, as torch loads.
 
-With libgomp's defaults, threads waiting between regions gave up their cores so soon that
-each region cost 3-5 us at one row here, against 1-2 us spinning, and 60-80 us where a
-thread had gone to sleep: a CPU decode step runs about 150 of them (10-20% of a single
-request's step). 300000 spins is libgomp's own figure for an unset OMP_WAIT_POLICY (about
-3 ms): an idle server's threads still go to sleep. A user's own GOMP_SPINCOUNT or
+With libgomp's defaults, threads waiting between regions give up their cores so soon that
+a region often has to wake a sleeping thread, which takes far longer than starting a
+spinning one, and a CPU decode step runs about 150 regions (docs/performance.md has the
+measured costs). 300000 spins is libgomp's own figure for an unset OMP_WAIT_POLICY, a few
+milliseconds: an idle server's threads still go to sleep. A user's own GOMP_SPINCOUNT or
 OMP_WAIT_POLICY is left as it is.
 """
+
 import os
 import sys
 

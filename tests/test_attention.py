@@ -1,4 +1,5 @@
 """The C++ decode-attention kernel against the PyTorch gather path, and its bounds checks."""
+
 import math
 
 import pytest
@@ -25,16 +26,22 @@ def random_batch(lengths, page_size=5, num_pages=64, kv_heads=3, heads=9, dim=64
     pages = torch.randperm(num_pages, generator=gen).tolist()
     table = []
     for n in lengths:
-        mine, pages = pages[:-(-n // page_size)], pages[-(-n // page_size):]
+        mine, pages = pages[: -(-n // page_size)], pages[-(-n // page_size) :]
         table.append(mine + [num_pages] * (width - len(mine)))  # padding: the scratch page
     q = torch.randn(len(lengths), heads, dim, generator=gen)
     return q, k, v, torch.tensor(table), torch.tensor(lengths)
 
 
 def meta(table, lengths, page_size, kernel):
-    return AttentionMetadata(slot_mapping=torch.zeros(len(lengths), dtype=torch.long), page_size=page_size,
-                             num_decode=len(lengths), decode_block_table=table, decode_lens=lengths,
-                             prefills=[], decode_kernel=kernel)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(len(lengths), dtype=torch.long),
+        page_size=page_size,
+        num_decode=len(lengths),
+        decode_block_table=table,
+        decode_lens=lengths,
+        prefills=[],
+        decode_kernel=kernel,
+    )
 
 
 @pytest.mark.parametrize("dim", [64, 128, 48])  # the two head sizes compiled for, and any other
@@ -48,9 +55,12 @@ def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype, heads, kv_h
     ours = kernel(q, k, v, table, lens, 5, 0.125)  # fp32 math and output from any pool
     ref = paged_attention(q, k.float(), v.float(), meta(table, lens, 5, None), scale=0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    out_dtype = torch.float32 if cache_dtype == torch.float8_e4m3fn else cache_dtype  # fp8: the model's dtype
-    for decode_kernel in (kernel, None):  # the torch path gathers the pool as it is stored too
-        out = paged_attention(q, k, v, meta(table, lens, 5, decode_kernel), scale=0.125)
+    out_dtype = (
+        torch.float32 if cache_dtype == torch.float8_e4m3fn else cache_dtype
+    )  # fp8: the model's dtype
+    # the torch path gathers the pool as it is stored too
+    for chosen_kernel in (kernel, None):
+        out = paged_attention(q, k, v, meta(table, lens, 5, chosen_kernel), scale=0.125)
         assert out.dtype == out_dtype
         torch.testing.assert_close(out, ref.to(out_dtype))
 
@@ -65,14 +75,19 @@ def test_fp8_pool_reads_exactly_the_values_it_holds(kernel, dim):
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 0x7f and 0xff are NaN
     gen = torch.Generator().manual_seed(1)
-    k, v = (codes[torch.randint(len(codes), t.shape, generator=gen)].view(torch.float8_e4m3fn) for t in (k, v))
+    k, v = (
+        codes[torch.randint(len(codes), t.shape, generator=gen)].view(torch.float8_e4m3fn)
+        for t in (k, v)
+    )
     q = q / 1000  # scores of a few units over keys up to 448: softmax far from one-hot
-    ours, ref = kernel(q, k, v, table, lens, 5, 0.125), kernel(q, k.float(), v.float(), table, lens, 5, 0.125)
+    ours, ref = (
+        kernel(q, k, v, table, lens, 5, 0.125),
+        kernel(q, k.float(), v.float(), table, lens, 5, 0.125),
+    )
     if dim == 64:
         assert torch.equal(ours, ref)
     else:
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4)
-
 
 
 def test_prefill_reads_a_bf16_pool_in_the_models_dtype():
@@ -83,17 +98,26 @@ def test_prefill_reads_a_bf16_pool_in_the_models_dtype():
     q = torch.randn(6, 9, 64, generator=gen)
     k, v = (torch.randn(10, 3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
     context = torch.tensor([7, 2, 9, 0, 4, 5])  # the request's slots, in position order
-    chunk = AttentionMetadata(slot_mapping=context, page_size=5, num_decode=0, decode_block_table=None,
-                              decode_lens=None, prefills=[PrefillChunk(0, 6, context, None)])
+    chunk = AttentionMetadata(
+        slot_mapping=context,
+        page_size=5,
+        num_decode=0,
+        decode_block_table=None,
+        decode_lens=None,
+        prefills=[PrefillChunk(0, 6, context, None)],
+    )
 
     def sdpa(dtype):
         q4, k4, v4 = (t.to(dtype).transpose(0, 1)[None] for t in (q, k[context], v[context]))
-        o = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=0.125, enable_gqa=True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=0.125, enable_gqa=True
+        )
         return o[0].transpose(0, 1).to(torch.bfloat16)
 
     assert torch.equal(paged_attention(q, k, v, chunk, scale=0.125), sdpa(torch.float32))
     assert torch.equal(paged_attention(q, k, v, chunk, 0.125, torch.bfloat16), sdpa(torch.bfloat16))
     assert not torch.equal(sdpa(torch.float32), sdpa(torch.bfloat16))
+
 
 def run_with_threads(kernel, threads, *args):
     before = torch.get_num_threads()
@@ -115,7 +139,9 @@ def test_kernel_runs_every_request_however_the_threads_split_the_batch(kernel, t
     ref = paged_attention(q, k, v, meta(table, lens, 5, None), scale=0.125)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     for i in (0, 4):
-        alone = run_with_threads(kernel, 2, q[i:i + 1], k, v, table[i:i + 1], lens[i:i + 1], 5, 0.125)
+        alone = run_with_threads(
+            kernel, 2, q[i : i + 1], k, v, table[i : i + 1], lens[i : i + 1], 5, 0.125
+        )
         assert torch.equal(alone[0], ours[i])
 
 
@@ -123,10 +149,10 @@ def test_kernel_reads_only_its_own_pages(kernel):
     """Filling every page a request does not own with garbage changes nothing it computes."""
     q, k, v, table, lens = random_batch([7, 12])
     before = kernel(q, k, v, table, lens, 5, 0.125)
-    own = {int(p) for row, n in zip(table, lens) for p in row[:-(-int(n) // 5)]}
+    own = {int(p) for row, n in zip(table, lens) for p in row[: -(-int(n) // 5)]}
     for page in set(range(65)) - own:
-        k[page * 5:(page + 1) * 5] = 1e6
-        v[page * 5:(page + 1) * 5] = float("nan")
+        k[page * 5 : (page + 1) * 5] = 1e6
+        v[page * 5 : (page + 1) * 5] = float("nan")
     torch.testing.assert_close(kernel(q, k, v, table, lens, 5, 0.125), before, atol=0, rtol=0)
 
 
@@ -171,9 +197,16 @@ def test_stale_nan_past_a_rows_length_stays_out_of_attention(kernel, path):
 def test_nan_left_in_freed_pages_changes_no_output(tiny_llama_dir, attention):
     """Every page of the pool holds NaN, as if freed by an owner whose KV overflowed: prefill
     and decode, on either attention path, read none of it."""
+
     def outputs(poisoned: bool):
-        config = EngineConfig(model=str(tiny_llama_dir), page_size=4, num_kv_pages=64,
-                              max_model_len=128, attention=attention, num_threads=1)
+        config = EngineConfig(
+            model=str(tiny_llama_dir),
+            page_size=4,
+            num_kv_pages=64,
+            max_model_len=128,
+            attention=attention,
+            num_threads=1,
+        )
         engine = LLMEngine(config, progress=False)
         if poisoned:
             engine.pool.k.fill_(float("nan"))

@@ -1,4 +1,5 @@
 """Disaggregated prefill/decode with real worker processes, NIXL transfers and the router."""
+
 import json
 import secrets
 import signal
@@ -12,21 +13,38 @@ import openai
 import pytest
 import torch
 
-from conftest import (ALLOW_FAULTS, metric, spawn_server, start_server, stop_server,
-                      wait_for_idle_pool, wait_healthy)
-from kvfence import LLM, SamplingParams
+from helpers import (
+    ALLOW_FAULTS,
+    metric,
+    spawn_server,
+    start_server,
+    stop_server,
+    wait_for_idle_pool,
+    wait_healthy,
+)
+from kvfence import SamplingParams
 from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, verify
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 WORKER = ["--threads", "1", "--max-model-len", "1024"]
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-           "Water boils at", "x", "List three prime numbers:" * 10]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "Water boils at",
+    "x",
+    "List three prime numbers:" * 10,
+]
 
 
-def start_cluster(tmp_path, prefills: list[list[str]], decodes: list[list[str]],
-                  env: dict | None = None):
+def start_cluster(
+    tmp_path,
+    prefills: list[list[str]],
+    decodes: list[list[str]],
+    env: dict | None = None,
+):
     """Workers (with `env` added to their environment) and a router sharing the internal
     token in tmp_path / "internal-token"."""
     token = tmp_path / "internal-token"
@@ -36,14 +54,16 @@ def start_cluster(tmp_path, prefills: list[list[str]], decodes: list[list[str]],
     try:
         for role, configs in (("prefill", prefills), ("decode", decodes)):
             for extra in configs:  # start together, then wait: start-up is mostly imports
-                proc, url = spawn_server(tmp_path, "serve", "--role", role, *WORKER, *auth, *extra,
-                                         env=env)
+                proc, url = spawn_server(
+                    tmp_path, "serve", "--role", role, *WORKER, *auth, *extra, env=env
+                )
                 procs.append(proc)
                 urls[role].append(url)
         for proc, url in zip(procs, urls["prefill"] + urls["decode"]):
             wait_healthy(tmp_path, proc, url)
-        router_args = [a for u in urls["prefill"] for a in ("--prefill", u)] + \
-                      [a for u in urls["decode"] for a in ("--decode", u)]
+        router_args = [a for u in urls["prefill"] for a in ("--prefill", u)] + [
+            a for u in urls["decode"] for a in ("--decode", u)
+        ]
         proc, router = start_server(tmp_path, "router", *router_args, *auth)
         procs.append(proc)
     except Exception:
@@ -76,17 +96,30 @@ def idle(urls):
 
 def test_pd_greedy_output_equals_unified(cluster, real_llm):
     router, urls = cluster
-    expected = real_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    expected = real_llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
     client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
     for prompt, ref in zip(PROMPTS, expected):
-        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         assert r.choices[0].text == ref.outputs[0].text, prompt
         assert r.usage.prompt_tokens == len(ref.prompt_token_ids)
-    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is the "
-                                                                    "capital of France?"}], temperature=0,
-                                            stream=True)
-    assert "".join(c.choices[0].delta.content or "" for c in stream) == "The capital of France is Paris."
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        stream=True,
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in stream)
+        == "The capital of France is Paris."
+    )
     idle(urls)
 
 
@@ -97,20 +130,22 @@ def test_refused_at_prefill_never_reaches_decode(cluster):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = complete(router, "hello", temperature=-1)
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    assert [httpx.get(u + "/metrics").text.count("kvfence_requests_rejected_total{") for u in urls["decode"]] == \
-        [t.count("kvfence_requests_rejected_total{") for t in decode_before]
+    assert [
+        httpx.get(u + "/metrics").text.count("kvfence_requests_rejected_total{")
+        for u in urls["decode"]
+    ] == [t.count("kvfence_requests_rejected_total{") for t in decode_before]
     assert all("kvfence_generation_tokens_total" in t for t in decode_before)
     idle(urls)
 
 
 def test_each_side_admits_against_its_own_pool(cluster):
     router, urls = cluster
-    # 700 prompt tokens fit the prefill worker (context 1024, 256 pages), not a decode worker (512, 40 pages)
+    # 700 prompt tokens fit the prefill worker (context 1024, 256 pages),
+    # not a decode worker (512, 40 pages)
     r = complete(router, " hello" * 700, max_tokens=10)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     assert "512" in r.json()["error"]["message"]
     idle(urls)  # the prefill side released the KV it had parked
-
 
 
 def test_workers_keep_idle_connections_past_their_callers_pools(cluster):
@@ -128,22 +163,42 @@ def test_workers_keep_idle_connections_past_their_callers_pools(cluster):
         conn.request("GET", "/health")
         assert conn.getresponse().read() and conn.sock is not None
         sock = conn.sock
-        time.sleep(WORKER_KEEPALIVE_S / 6 + 1)  # past what a caller keeps it, and past uvicorn's default
+        time.sleep(
+            WORKER_KEEPALIVE_S / 6 + 1
+        )  # past what a caller keeps it, and past uvicorn's default
         conn.request("GET", "/health")  # on the same connection: the worker has not closed it
         assert conn.getresponse().status == 200 and conn.sock is sock
         conn.close()
 
+
 def test_manifest_checks_catch_every_mismatch():
     cfg = ModelConfig("llama", 10, 8, 16, 2, 2, 1, 4, 1e4, 1e-5, 64, True)
     pool = KVPool(cfg, 8, 4)
-    good = dict(transfer_id="t", token_count=6, page_size=4, page_count=2, dtype="float32", num_layers=2,
-                kv_heads=1, head_dim=4, checksums=[1, 2], agent_name="a", agent_metadata="",
-                descs=[[0, 0, 0]] * 8)
+    good = dict(
+        transfer_id="t",
+        token_count=6,
+        page_size=4,
+        page_count=2,
+        dtype="float32",
+        num_layers=2,
+        kv_heads=1,
+        head_dim=4,
+        checksums=[1, 2],
+        agent_name="a",
+        agent_metadata="",
+        descs=[[0, 0, 0]] * 8,
+    )
     verify(Manifest(**good), 6, pool, [1, 2])
-    for change, expected_tokens, sums in [({"token_count": 1}, 6, None), ({"page_size": 8}, 6, None),
-                                          ({"dtype": "bfloat16"}, 6, None), ({"num_layers": 3}, 6, None),
-                                          ({"page_count": 1}, 6, None), ({"descs": [[0, 0, 0]] * 6}, 6, None),
-                                          ({}, 6, [1, 3]), ({}, 7, None)]:
+    for change, expected_tokens, sums in [
+        ({"token_count": 1}, 6, None),
+        ({"page_size": 8}, 6, None),
+        ({"dtype": "bfloat16"}, 6, None),
+        ({"num_layers": 3}, 6, None),
+        ({"page_count": 1}, 6, None),
+        ({"descs": [[0, 0, 0]] * 6}, 6, None),
+        ({}, 6, [1, 3]),
+        ({}, 7, None),
+    ]:
         with pytest.raises(TransferError):
             verify(Manifest(**{**good, **change}), expected_tokens, pool, sums)
 
@@ -163,14 +218,22 @@ def test_narrow_pool_pages_arrive_bit_for_bit(dtype):
     receiver.read(manifest, [1, 7], time.monotonic() + 10)
     verify(manifest, 6, dst, receiver.checksums([1, 7], 6))
     for cache_src, cache_dst in ((src.k, dst.k), (src.v, dst.v)):
-        cache_src, cache_dst = cache_src.view(torch.uint8), cache_dst.view(torch.uint8)  # bits
-        assert torch.equal(cache_dst[:, 4:8], cache_src[:, 20:24]) and torch.equal(cache_dst[:, 28:30], cache_src[:, 8:10])
-    assert not dst.k.view(torch.uint8)[:, 30:32].any()  # the last page's unwritten slots were not sent
+        cache_src, cache_dst = (
+            cache_src.view(torch.uint8),
+            cache_dst.view(torch.uint8),
+        )  # bits
+        assert torch.equal(cache_dst[:, 4:8], cache_src[:, 20:24]) and torch.equal(
+            cache_dst[:, 28:30], cache_src[:, 8:10]
+        )
+    assert not dst.k.view(torch.uint8)[
+        :, 30:32
+    ].any()  # the last page's unwritten slots were not sent
 
 
 def test_truncated_transfer_fails_with_an_error_and_frees_pages(tmp_path):
-    procs, router, urls = start_cluster(tmp_path, [["--inject-fault", "truncated-transfer"]], [[]],
-                                        env=ALLOW_FAULTS)
+    procs, router, urls = start_cluster(
+        tmp_path, [["--inject-fault", "truncated-transfer"]], [[]], env=ALLOW_FAULTS
+    )
     try:
         r = complete(router, "The capital of France is a city that")
         assert r.status_code == 502 and r.json()["error"]["code"] == "kv_transfer_failed"
@@ -212,7 +275,12 @@ def test_killed_decode_worker_fails_its_requests_only(tmp_path):
 
     def send(i):
         try:
-            results[i] = complete(router, f"Story number {i}: once upon a time", max_tokens=400, ignore_eos=True)
+            results[i] = complete(
+                router,
+                f"Story number {i}: once upon a time",
+                max_tokens=400,
+                ignore_eos=True,
+            )
         except httpx.HTTPError as e:
             results[i] = e
 
@@ -224,11 +292,20 @@ def test_killed_decode_worker_fails_its_requests_only(tmp_path):
         for t in threads:
             t.join(120)
         codes = [r.status_code if isinstance(r, httpx.Response) else None for r in results.values()]
-        assert codes.count(200) >= 2, [r.text[:300] for r in results.values()]  # on the surviving decode worker
-        failed = [r for r in results.values() if isinstance(r, httpx.Response) and r.status_code != 200]
-        assert failed and all(r.json()["error"]["code"] == "decode_unavailable" for r in failed), [r.text for r in failed]
-        assert all(r.status_code == 200 and r.json()["choices"][0]["text"] for r in results.values()
-                   if isinstance(r, httpx.Response) and r.status_code == 200)
+        assert codes.count(200) >= 2, [
+            r.text[:300] for r in results.values()
+        ]  # on the surviving decode worker
+        failed = [
+            r for r in results.values() if isinstance(r, httpx.Response) and r.status_code != 200
+        ]
+        assert failed and all(r.json()["error"]["code"] == "decode_unavailable" for r in failed), [
+            r.text for r in failed
+        ]
+        assert all(
+            r.status_code == 200 and r.json()["choices"][0]["text"]
+            for r in results.values()
+            if isinstance(r, httpx.Response) and r.status_code == 200
+        )
         for url in [urls["prefill"][0], urls["decode"][1]]:
             wait_for_idle_pool(url, timeout=20)
     finally:
@@ -245,7 +322,10 @@ def test_killed_prefill_worker_fails_its_requests_only(tmp_path):
         t.start()  # round robin: this one goes to the first prefill worker
         kill_while_running(procs[0], urls["prefill"][0])
         t.join(60)
-        assert slow["r"].status_code == 502 and slow["r"].json()["error"]["code"] == "prefill_unavailable"
+        assert (
+            slow["r"].status_code == 502
+            and slow["r"].json()["error"]["code"] == "prefill_unavailable"
+        )
         ok = complete(router, "Water boils at")  # the second prefill worker
         assert ok.status_code == 200 and ok.json()["choices"][0]["text"]
         for url in [urls["prefill"][1], urls["decode"][0]]:
@@ -259,27 +339,79 @@ def test_incident_replay_in_pd_mode(tmp_path):
     """Oversized for the prefill pool: one token of KV is shipped. Without the sentinel the
     audit finds it; with it the request fails closed."""
     fault = ["--inject-fault", "legacy-reject-path"]
-    procs, router, urls = start_cluster(tmp_path, [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
-                                        [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
-                                          "--num-kv-pages", "200"],
-                                         [*fault, "--kv-sentinel", "enforce", "--max-model-len", "2048",
-                                          "--num-kv-pages", "200"]], env=ALLOW_FAULTS)
+    procs, router, urls = start_cluster(
+        tmp_path,
+        [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
+        [
+            [
+                *fault,
+                "--kv-sentinel",
+                "off",
+                "--max-model-len",
+                "2048",
+                "--num-kv-pages",
+                "200",
+            ],
+            [
+                *fault,
+                "--kv-sentinel",
+                "enforce",
+                "--max-model-len",
+                "2048",
+                "--num-kv-pages",
+                "200",
+            ],
+        ],
+        env=ALLOW_FAULTS,
+    )
     try:
         answers = [complete(router, " hello" * 1000, max_tokens=8) for _ in range(2)]
         by_status = sorted(r.status_code for r in answers)
-        assert by_status == [200, 500], [r.text[:200] for r in answers]  # sentinel off answers, enforce fails
+        assert by_status == [200, 500], [
+            r.text[:200] for r in answers
+        ]  # sentinel off answers, enforce fails
         failed = next(r for r in answers if r.status_code == 500)
         assert "KV ownership" in failed.json()["error"]["message"]
     finally:
         for p in procs:
             stop_server(p)
-    procs, router, urls = start_cluster(tmp_path, [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
-                                        [[*fault, "--kv-sentinel", "off", "--max-model-len", "2048",
-                                          "--num-kv-pages", "200"]], env=ALLOW_FAULTS)
+    procs, router, urls = start_cluster(
+        tmp_path,
+        [[*fault, "--num-kv-pages", "40", "--max-model-len", "2048"]],
+        [
+            [
+                *fault,
+                "--kv-sentinel",
+                "off",
+                "--max-model-len",
+                "2048",
+                "--num-kv-pages",
+                "200",
+            ]
+        ],
+        env=ALLOW_FAULTS,
+    )
     try:
-        r = subprocess.run([sys.executable, "-m", "kvfence.cli", "audit", "--base-url", router, "--json",
-                            "--max-model-len", "2048", "--pool-tokens", "640", "--seed", "4"],
-                           capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvfence.cli",
+                "audit",
+                "--base-url",
+                router,
+                "--json",
+                "--max-model-len",
+                "2048",
+                "--pool-tokens",
+                "640",
+                "--seed",
+                "4",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
         assert {"boundary", "timing"} & {f["check"] for f in json.loads(r.stdout)["findings"]}
     finally:
@@ -291,10 +423,28 @@ def test_audit_is_clean_over_pd_with_a_killed_decode_worker(tmp_path):
     pool = ["--num-kv-pages", "128"]
     procs, router, urls = start_cluster(tmp_path, [pool], [pool, pool])
     try:
-        procs[2].send_signal(signal.SIGKILL)  # the router routes around a worker that refuses connections
+        procs[2].send_signal(
+            signal.SIGKILL
+        )  # the router routes around a worker that refuses connections
         procs[2].wait(10)
-        r = subprocess.run([sys.executable, "-m", "kvfence.cli", "audit", "--base-url", router, "--json",
-                            "--seed", "5", "--canaries", "12"], capture_output=True, text=True, timeout=600)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvfence.cli",
+                "audit",
+                "--base-url",
+                router,
+                "--json",
+                "--seed",
+                "5",
+                "--canaries",
+                "12",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
         for url in [urls["prefill"][0], urls["decode"][0]]:
             wait_for_idle_pool(url, timeout=20)

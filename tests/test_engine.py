@@ -1,4 +1,5 @@
 """Admission, scheduling, preemption, abort and pool accounting on a tiny model."""
+
 import json
 import os
 import shutil
@@ -8,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_pool_empty
-from kvfence import LLM, SamplingParams
+from helpers import assert_pool_empty
+from kvfence import SamplingParams
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.llm_engine import LLMEngine
@@ -20,7 +21,13 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 
 
 def tiny_engine(path, **kw):
-    cfg = dict(page_size=4, num_kv_pages=128, max_model_len=128, max_num_batched_tokens=32, max_num_seqs=8)
+    cfg = dict(
+        page_size=4,
+        num_kv_pages=128,
+        max_model_len=128,
+        max_num_batched_tokens=32,
+        max_num_seqs=8,
+    )
     cfg.update(kw)
     return LLMEngine(EngineConfig(model=str(path), **cfg), progress=False)
 
@@ -41,13 +48,19 @@ def tokens_and_logprobs(engine, prompts, params):
     reqs = [engine.add_request(p, params)[0] for p in prompts]
     done = run_all(engine)
     assert_pool_empty(engine)
-    return [(done[(q.parent_id, 0)].token_ids, [e["logprob"] for e in done[(q.parent_id, 0)].logprobs]) for q in reqs]
+    return [
+        (
+            done[(q.parent_id, 0)].token_ids,
+            [e["logprob"] for e in done[(q.parent_id, 0)].logprobs],
+        )
+        for q in reqs
+    ]
 
 
 def block_tables_disjoint(engine):
     seen = set()
     for req in list(engine.scheduler.running) + list(engine.scheduler.waiting):
-        pages = set(req.block_table[req.num_shared_pages:])
+        pages = set(req.block_table[req.num_shared_pages :])
         assert not pages & seen, "a page is in two block tables"
         seen |= pages
 
@@ -60,20 +73,38 @@ def test_start_refused_when_pool_smaller_than_context(tiny_llama_dir):
 
 
 def test_unknown_dtype_refused(tiny_llama_dir):
-    with pytest.raises(ConfigError, match="dtype must be one of auto, float32, gguf, gguf-int8, bfloat16, not 'float16'"):
+    with pytest.raises(
+        ConfigError,
+        match="dtype must be one of auto, float32, gguf, gguf-int8, bfloat16, not 'float16'",
+    ):
         tiny_engine(tiny_llama_dir, dtype="float16")
 
 
 def test_bfloat16_and_fp8_kv_caches_hold_two_and_four_times_the_tokens(tiny_llama_dir):
     fp32 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01)
-    bf16 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="bfloat16")
+    bf16 = tiny_engine(
+        tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="bfloat16"
+    )
     fp8 = tiny_engine(tiny_llama_dir, num_kv_pages=None, kv_memory_gib=0.01, kv_cache_dtype="fp8")
-    assert fp32.pool.k.dtype == torch.float32 and bf16.pool.k.dtype == bf16.pool.v.dtype == torch.bfloat16
+    assert (
+        fp32.pool.k.dtype == torch.float32
+        and bf16.pool.k.dtype == bf16.pool.v.dtype == torch.bfloat16
+    )
     assert fp8.pool.k.dtype == fp8.pool.v.dtype == torch.float8_e4m3fn
-    assert bf16.allocator.num_pages in (2 * fp32.allocator.num_pages, 2 * fp32.allocator.num_pages + 1)
-    assert 4 * fp32.allocator.num_pages <= fp8.allocator.num_pages <= 4 * fp32.allocator.num_pages + 3
-    assert tiny_engine(tiny_llama_dir, dtype="bfloat16").pool.k.dtype == torch.bfloat16  # auto follows --dtype
-    with pytest.raises(ConfigError, match="kv_cache_dtype must be auto, float32, bfloat16 or fp8, not 'int8'"):
+    assert bf16.allocator.num_pages in (
+        2 * fp32.allocator.num_pages,
+        2 * fp32.allocator.num_pages + 1,
+    )
+    assert (
+        4 * fp32.allocator.num_pages <= fp8.allocator.num_pages <= 4 * fp32.allocator.num_pages + 3
+    )
+    assert (
+        tiny_engine(tiny_llama_dir, dtype="bfloat16").pool.k.dtype == torch.bfloat16
+    )  # auto follows --dtype
+    with pytest.raises(
+        ConfigError,
+        match="kv_cache_dtype must be auto, float32, bfloat16 or fp8, not 'int8'",
+    ):
         tiny_engine(tiny_llama_dir, kv_cache_dtype="int8")
 
 
@@ -88,9 +119,12 @@ def test_admission_limits(tiny_llama_dir):
     engine.add_request(list(range(10, 130)), ok)  # 120 + 8 == max_model_len: accepted
     used_before = engine.allocator.num_used
     for prompt, params in [
-        (list(range(10, 131)), ok),                                      # limit + 1
-        (list(range(10, 138)), SamplingParams(max_tokens=None)),         # prompt fills the context
-        (list(range(10, 10 + 128 * 4 + 1)), ok),                         # pool + 1 tokens
+        (list(range(10, 131)), ok),  # limit + 1
+        (
+            list(range(10, 138)),
+            SamplingParams(max_tokens=None),
+        ),  # prompt fills the context
+        (list(range(10, 10 + 128 * 4 + 1)), ok),  # pool + 1 tokens
     ]:
         with pytest.raises(InvalidRequest) as e:
             engine.add_request(prompt, params)
@@ -124,20 +158,36 @@ def test_generation_stops_at_the_eos_ids_the_model_declares(tiny_llama_dir, tmp_
     (model / "config.json").write_text(json.dumps(config | {"eos_token_id": 99}))
     (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokens[stop_at]]}))
     engine = tiny_engine(model)
-    assert engine.eos_token_ids == {tokens[stop_at], 99} and engine.tokenizer.eos_token_id not in engine.eos_token_ids
+    assert (
+        engine.eos_token_ids == {tokens[stop_at], 99}
+        and engine.tokenizer.eos_token_id not in engine.eos_token_ids
+    )
     (req,) = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0))
     out = run_all(engine)[(req.parent_id, 0)]
-    assert out.token_ids == tokens[:stop_at + 1] and out.finish_reason == "stop"
+    assert out.token_ids == tokens[: stop_at + 1] and out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("params, field", [
-    (dict(temperature=-0.1), "temperature"), (dict(temperature=2.5), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(n=0), "n"), (dict(n=100), "n"),
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-5), "max_tokens"), (dict(logprobs=21), "logprobs"),
-    (dict(presence_penalty=3.0), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
-    (dict(stop=["x"] * 17), "stop"), (dict(stop=[""]), "stop"), (dict(stop_token_ids=[10**9]), "stop_token_ids"),
-    (dict(seed=-1), "seed"),
-])
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(temperature=2.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(n=0), "n"),
+        (dict(n=100), "n"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-5), "max_tokens"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(presence_penalty=3.0), "presence_penalty"),
+        (dict(frequency_penalty=-2.5), "frequency_penalty"),
+        (dict(stop=["x"] * 17), "stop"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop_token_ids=[10**9]), "stop_token_ids"),
+        (dict(seed=-1), "seed"),
+    ],
+)
 def test_invalid_sampling_parameters_are_rejected(tiny_llama_dir, params, field):
     engine = tiny_engine(tiny_llama_dir)
     with pytest.raises(InvalidRequest) as e:
@@ -162,7 +212,9 @@ def test_preemption_keeps_outputs_correct(tiny_llama_dir):
     for p in prompts:
         roomy.add_request(p, params)
     expected = run_all(roomy)
-    tight = tiny_engine(tiny_llama_dir, num_kv_pages=40, max_model_len=96)  # 6 x 80 tokens need 120 pages
+    tight = tiny_engine(
+        tiny_llama_dir, num_kv_pages=40, max_model_len=96
+    )  # 6 x 80 tokens need 120 pages
     for p in prompts:
         tight.add_request(p, params)
     got = run_all(tight, check=block_tables_disjoint)
@@ -202,10 +254,13 @@ def test_decode_graph_buckets_change_no_token(tiny_llama_dir):
         engine = tiny_engine(tiny_llama_dir)
         if graphs:
             r = engine.runner
-            r.graphs = DecodeGraphs(r.model, engine.pool, 8, 128 // 4, r.decode_kernel, capture=False)
+            r.graphs = DecodeGraphs(
+                r.model, engine.pool, 8, 128 // 4, r.decode_kernel, capture=False
+            )
         results.append(tokens_and_logprobs(engine, prompts, params))
     assert results[0] == results[1]
-    # Five requests decode in a bucket of 8 rows, block tables of 8 to 11 pages in buckets of 8 and 16.
+    # Five requests decode in a bucket of 8 rows,
+    # block tables of 8 to 11 pages in buckets of 8 and 16.
     assert 8 in {rows for rows, _ in r.graphs.graphs} and {8, 16} <= {p for _, p in r.graphs.graphs}
 
 
@@ -255,13 +310,18 @@ def test_sentinel_fails_corrupted_requests_and_serves_the_others(tiny_llama_dir)
     engine.step()
     engine.step()
     # the thief's block table now points at the victim's first page, and the victim's at the thief's
-    victim.block_table[0], thief.block_table[0] = thief.block_table[0], victim.block_table[0]
+    victim.block_table[0], thief.block_table[0] = (
+        thief.block_table[0],
+        victim.block_table[0],
+    )
     produced = {r.owner: len(r.output_token_ids) for r in (victim, thief)}
     outs = run_all(engine)
     for req in (victim, thief):
         out = outs[(req.parent_id, 0)]
         assert out.finish_reason == "error" and "KV ownership" in out.error
-        assert len(out.token_ids) == produced[req.owner], "no token was produced after the corruption"
+        assert len(out.token_ids) == produced[req.owner], (
+            "no token was produced after the corruption"
+        )
     assert outs[(bystander.parent_id, 0)].finish_reason == "length"
     assert engine.runner.sentinel_violations == 2
     assert_pool_empty(engine)
@@ -287,7 +347,12 @@ def test_unsupported_models_get_a_clear_error(tmp_path):
 @pytest.mark.parametrize("scrub", ["off", "on-free"])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "fp8"])
 def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub, kv_cache_dtype):
-    engine = tiny_engine(tiny_llama_dir, kv_scrub=scrub, prefix_cache=False, kv_cache_dtype=kv_cache_dtype)
+    engine = tiny_engine(
+        tiny_llama_dir,
+        kv_scrub=scrub,
+        prefix_cache=False,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     (req,) = engine.add_request(list(range(5, 30)), SamplingParams(max_tokens=4, **GREEDY))
     engine.step()
     pages = list(req.block_table)
@@ -296,14 +361,37 @@ def test_scrub_on_free_zeroes_freed_pages(tiny_llama_dir, scrub, kv_cache_dtype)
     assert (not k.view(torch.uint8).any()) == (scrub == "on-free")  # every byte zero
 
 
-@pytest.mark.parametrize("env, imports, expected", [
-    ({}, "kvfence", ["300000", "True"]),
-    ({"GOMP_SPINCOUNT": "1000"}, "kvfence", ["1000", "True"]),     # the user's own figure stays
-    ({"OMP_WAIT_POLICY": "passive"}, "kvfence", ["None", "True"]),  # so does the user's policy
-    ({}, "torch, kvfence", ["300000", "False"]),                    # too late for libgomp: the engine warns
-])
+@pytest.mark.parametrize(
+    "env, imports, expected",
+    [
+        ({}, "kvfence", ["300000", "True"]),
+        (
+            {"GOMP_SPINCOUNT": "1000"},
+            "kvfence",
+            ["1000", "True"],
+        ),  # the user's own figure stays
+        (
+            {"OMP_WAIT_POLICY": "passive"},
+            "kvfence",
+            ["None", "True"],
+        ),  # so does the user's policy
+        (
+            {},
+            "torch, kvfence",
+            ["300000", "False"],
+        ),  # too late for libgomp: the engine warns
+    ],
+)
 def test_openmp_threads_keep_spinning_between_regions_unless_the_user_chose(env, imports, expected):
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    code = f"import os, {imports}; print(os.environ.get('GOMP_SPINCOUNT'), kvfence.openmp.WAIT_CHOSEN)"
-    done = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    code = (
+        f"import os, {imports}; print(os.environ.get('GOMP_SPINCOUNT'), kvfence.openmp.WAIT_CHOSEN)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert done.stdout.split() == expected

@@ -1,4 +1,5 @@
 """The fused element-wise kernel (csrc/fused.cpp) against the PyTorch ops it replaces."""
+
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from kvfence.model.llama import TorchOps
 @pytest.fixture(scope="module")
 def ops():
     module = fused_ops("cpu")
-    assert module is not None, "csrc/fused.cpp did not build (see the warning above)"
+    assert module is not None, "csrc/fused.cpp is not installed (see the warning above)"
     return module
 
 
@@ -22,7 +23,9 @@ def test_add_rms_norm_matches_torch(ops, delta_dtype, out_dtype):
     ours_x, ref_x = x.clone(), x.clone()
     ours = ops.add_rms_norm(ours_x, delta, weight, 1e-5, out_dtype)
     ref = TorchOps.add_rms_norm(ref_x, delta, weight, 1e-5, out_dtype)
-    assert ours.dtype == out_dtype and torch.equal(ours_x, ref_x)  # the residual is updated in place, exactly
+    assert ours.dtype == out_dtype and torch.equal(
+        ours_x, ref_x
+    )  # the residual is updated in place, exactly
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2  # bf16: at most one rounding step apart
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
@@ -43,7 +46,10 @@ def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
     rows, heads, kv_heads, dim = 11, 6, 2, 64
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * dim, generator=gen).to(qkv_dtype)
     angles = torch.randn(rows, dim // 2, generator=gen)
-    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((-angles.sin(), angles.sin()), -1)
+    cos, sin = (
+        torch.cat((angles, angles), -1).cos(),
+        torch.cat((-angles.sin(), angles.sin()), -1),
+    )
     slots = torch.randperm(40, generator=gen)[:rows]
     caches = [torch.zeros(40, kv_heads, dim, dtype=cache_dtype) for _ in range(4)]
     ours = ops.rope_write_kv(qkv, cos, sin, caches[0], caches[1], slots, heads)
@@ -52,7 +58,9 @@ def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float8_e4m3fn: 0.07}[cache_dtype]
     torch.testing.assert_close(caches[0].float(), caches[2].float(), atol=tol, rtol=tol)  # the keys
-    assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))  # the values, copied (and rounded) alike
+    assert torch.equal(
+        caches[1].view(torch.uint8), caches[3].view(torch.uint8)
+    )  # the values, copied (and rounded) alike
     untouched = torch.ones(40, dtype=torch.bool)
     untouched[slots] = False
     assert not caches[0][untouched].any() and not caches[1][untouched].any()
@@ -62,9 +70,9 @@ def test_rope_write_kv_matches_torch(ops, qkv_dtype, cache_dtype):
 def test_argmax_rows_picks_the_first_maximum_like_torch(ops, vocab):
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(9, vocab, generator=gen)
-    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0    # a tie: the first one wins
-    logits[2, vocab - 1] = 60.0                            # the last column, past the vector lanes
-    logits[3] = 1.0                                        # all equal: column 0
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 50.0  # a tie: the first one wins
+    logits[2, vocab - 1] = 60.0  # the last column, past the vector lanes
+    logits[3] = 1.0  # all equal: column 0
     logits[4, 1:] = -torch.inf
     assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
     assert ops.argmax_rows(logits).tolist()[1:4] == [vocab // 3, vocab - 1, 0]
@@ -72,7 +80,11 @@ def test_argmax_rows_picks_the_first_maximum_like_torch(ops, vocab):
 
 def test_rows_do_not_depend_on_the_batch(ops):
     gen = torch.Generator().manual_seed(2)
-    x, delta, weight = torch.randn(64, 576, generator=gen), torch.randn(64, 576, generator=gen), torch.randn(576)
+    x, delta, weight = (
+        torch.randn(64, 576, generator=gen),
+        torch.randn(64, 576, generator=gen),
+        torch.randn(576),
+    )
     batch = ops.add_rms_norm(x.clone(), delta, weight, 1e-5, torch.float32)
     alone = ops.add_rms_norm(x[5:6].clone(), delta[5:6].clone(), weight, 1e-5, torch.float32)
     assert torch.equal(batch[5:6], alone)
@@ -108,14 +120,40 @@ def test_fp8_writes_round_to_nearest_even_and_saturate_like_torch(ops):
     midpoints = (values[1:] + values[:-1]) / 2
     gen = torch.Generator().manual_seed(5)
     spread = torch.cat([torch.randn(4000, generator=gen) * s for s in (1e-3, 3e-2, 1.0, 100.0)])
-    x = torch.cat([values, midpoints, -midpoints, spread, torch.tensor([449.0, 464.0, 1e9, -1e9, torch.inf, -torch.inf])])
+    x = torch.cat(
+        [
+            values,
+            midpoints,
+            -midpoints,
+            spread,
+            torch.tensor([449.0, 464.0, 1e9, -1e9, torch.inf, -torch.inf]),
+        ]
+    )
     x = torch.cat([x, torch.zeros(-x.numel() % 64)]).view(-1, 1, 64)
     rows = x.shape[0]
-    qkv = torch.cat([torch.zeros(rows, 2 * 64), x.view(rows, 64)], dim=1)  # one query head, one KV head: the values
+    qkv = torch.cat(
+        [torch.zeros(rows, 2 * 64), x.view(rows, 64)], dim=1
+    )  # one query head, one KV head: the values
     v_ours, v_ref = (torch.zeros(rows, 1, 64, dtype=fp8) for _ in range(2))
     ones, zeros = torch.ones(rows, 64), torch.zeros(rows, 64)
-    ops.rope_write_kv(qkv, ones, zeros, torch.zeros(rows, 1, 64, dtype=fp8), v_ours, torch.arange(rows), 1)
-    TorchOps.rope_write_kv(qkv, ones, zeros, torch.zeros(rows, 1, 64, dtype=fp8), v_ref, torch.arange(rows), 1)
+    ops.rope_write_kv(
+        qkv,
+        ones,
+        zeros,
+        torch.zeros(rows, 1, 64, dtype=fp8),
+        v_ours,
+        torch.arange(rows),
+        1,
+    )
+    TorchOps.rope_write_kv(
+        qkv,
+        ones,
+        zeros,
+        torch.zeros(rows, 1, 64, dtype=fp8),
+        v_ref,
+        torch.arange(rows),
+        1,
+    )
     assert torch.equal(v_ours.view(torch.uint8), v_ref.view(torch.uint8))
     assert torch.equal(v_ours.view(torch.uint8), x.clamp(-448, 448).to(fp8).view(torch.uint8))
     assert v_ours.float().abs().max() == 448

@@ -1,10 +1,10 @@
 """Page allocator ownership records and the runtime sentinel."""
+
 import pytest
 
 from kvfence.kv import sentinel
 from kvfence.kv.allocator import FREE, OwnershipError, PageAllocator
-from kvfence.kv.sentinel import check_batch, check_block_table
-
+from kvfence.kv.sentinel import TableCheck, check_batch, check_block_table
 
 ALICE = 0  # the first tenant number an allocator gives (PageAllocator.tenant_number)
 
@@ -13,7 +13,11 @@ def granted(allocator, owner, count, written_tokens):
     pages = allocator.allocate(owner, count)
     gens = [int(allocator.generation[p]) for p in pages]
     for i, p in enumerate(pages):
-        allocator.mark_written(owner, p, min(max(written_tokens - i * allocator.page_size, 0), allocator.page_size))
+        allocator.mark_written(
+            owner,
+            p,
+            min(max(written_tokens - i * allocator.page_size, 0), allocator.page_size),
+        )
     return pages, gens
 
 
@@ -115,18 +119,20 @@ def test_sentinel_checks_a_whole_batch_at_once(vectorized, monkeypatch):
     sound = []
     for owner in (1, 2, 3):
         pages, gens = granted(a, owner, 3, 10)
-        sound.append((owner, ALICE, pages, gens, 0, 10, 11))
+        sound.append(TableCheck(owner, ALICE, pages, gens, 0, 10, 11))
     assert check_batch(a, sound) == [None, None, None]
     assert check_batch(a, []) == []
     mine, my_gens = granted(a, 7, 2, 8)
     theirs, their_gens = granted(a, 8, 1, 4)
     few, few_gens = granted(a, 9, 4, 1)
     broken = [
-        (7, ALICE, [mine[0], theirs[0]], [my_gens[0], their_gens[0]], 0, 8, 8),  # another's page
-        (9, ALICE, few, few_gens, 0, 15, 16),                                   # never written
-        (7, ALICE, [99], [0], 0, 0, 1),                                         # outside the pool
-        (7, ALICE, mine, [my_gens[0], my_gens[1] + 1], 0, 8, 8),                # stale generation
-        (7, ALICE, mine[:1], my_gens[:1], 0, 4, 5),                             # short block table
+        TableCheck(
+            7, ALICE, [mine[0], theirs[0]], [my_gens[0], their_gens[0]], 0, 8, 8
+        ),  # another's page
+        TableCheck(9, ALICE, few, few_gens, 0, 15, 16),  # never written
+        TableCheck(7, ALICE, [99], [0], 0, 0, 1),  # outside the pool
+        TableCheck(7, ALICE, mine, [my_gens[0], my_gens[1] + 1], 0, 8, 8),  # stale generation
+        TableCheck(7, ALICE, mine[:1], my_gens[:1], 0, 4, 5),  # short block table
     ]
     for bad in broken:
         batch = [sound[0], bad, sound[1]]
@@ -152,8 +158,8 @@ def test_sentinel_catches_a_page_another_tenant_cached(vectorized, monkeypatch):
     alices, gens = cached_pages(a, 7, 2, "alice")
     a.acquire_shared(alices[0], 8)
     own, own_gens = granted(a, 8, 1, 0)
-    bob = (8, a.tenant_number("bob"), [alices[0]] + own, [gens[0]] + own_gens, 1, 4, 5)
-    alice = (7, ALICE, alices, gens, 2, 7, 8)
+    bob = TableCheck(8, a.tenant_number("bob"), [alices[0]] + own, [gens[0]] + own_gens, 1, 4, 5)
+    alice = TableCheck(7, ALICE, alices, gens, 2, 7, 8)
     problems = check_batch(a, [alice, bob])
     assert problems[0] is None and "another tenant" in problems[1]
     assert "alice" not in problems[1]  # the client reading the error is not told whose page it was
@@ -166,11 +172,11 @@ def test_sentinel_catches_a_shared_page_read_without_its_own_reference(vectorize
     monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
     a = PageAllocator(16, 4)
     cached, gens = cached_pages(a, 7, 1, "alice")
-    holder = (7, ALICE, cached, gens, 1, 3, 4)
+    holder = TableCheck(7, ALICE, cached, gens, 1, 3, 4)
     copiers = []
     for owner in (8, 9):
         own, own_gens = granted(a, owner, 1, 0)
-        copiers.append((owner, ALICE, cached + own, gens + own_gens, 1, 4, 5))
+        copiers.append(TableCheck(owner, ALICE, cached + own, gens + own_gens, 1, 4, 5))
     problems = check_batch(a, [holder, *copiers])
     assert problems[0] is None and all("without references" in p for p in problems[1:])
     a.acquire_shared(cached[0], 8)  # a lookup for request 8

@@ -1,5 +1,6 @@
 """One request fails only itself: extreme sampling parameters, and errors in one request's
 sampling or token handling, never fail the other requests of its step (nor anyone's over HTTP)."""
+
 import asyncio
 import json
 import math
@@ -8,10 +9,10 @@ import random
 import httpx
 import pytest
 
-from conftest import TENANT_KEYS, assert_pool_empty, start_server, stop_server
+from helpers import TENANT_KEYS, assert_pool_empty, start_server, stop_server
 from kvfence import SamplingParams
 from kvfence.config import EngineConfig
-from kvfence.engine import sampler
+from kvfence.engine import output, sampler
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.request import RequestState
 from kvfence.engine.sampling_params import InvalidRequest
@@ -23,8 +24,15 @@ NORMAL = dict(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 def tiny_engine(path):
-    config = EngineConfig(model=str(path), page_size=4, num_kv_pages=512, max_model_len=128,
-                          max_num_batched_tokens=256, max_num_seqs=64, num_threads=1)
+    config = EngineConfig(
+        model=str(path),
+        page_size=4,
+        num_kv_pages=512,
+        max_model_len=128,
+        max_num_batched_tokens=256,
+        max_num_seqs=64,
+        num_threads=1,
+    )
     return LLMEngine(config, progress=False)
 
 
@@ -96,7 +104,9 @@ def engine(tiny_llama_dir):
     return tiny_engine(tiny_llama_dir)
 
 
-def test_extreme_sampling_parameters_are_refused_or_served_beside_another_tenant(engine):
+def test_extreme_sampling_parameters_are_refused_or_served_beside_another_tenant(
+    engine,
+):
     """Several hundred random combinations, all in flight with another tenant's requests: each
     one is refused at admission (a 400) or served; none fails in the engine, and the other
     tenant's answers are what they are alone."""
@@ -134,6 +144,7 @@ def run_all_one(engine, prompt) -> list[int]:
 def fail_detokenizing(victim, monkeypatch):
     def broken(token):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a token this request cannot decode")
+
     monkeypatch.setattr(victim.detokenizer, "add", broken)
 
 
@@ -144,25 +155,34 @@ def fail_sampling(victim, monkeypatch):
         if req is victim:
             raise IndexError("a logits processor failed on this request")
         return adjust(logits, req)
+
     monkeypatch.setattr(sampler, "adjust_logits", broken)
 
 
 def fail_stop_check(victim, monkeypatch):
-    check = LLMEngine._hit_stop_string
+    check = output.hit_stop_string
 
     def broken(req):
         if req is victim:
             raise RuntimeError("a stop check failed on this request")
         return check(req)
-    monkeypatch.setattr(LLMEngine, "_hit_stop_string", staticmethod(broken))
+
+    monkeypatch.setattr(output, "hit_stop_string", broken)
 
 
 @pytest.mark.parametrize("break_victim", [fail_detokenizing, fail_sampling, fail_stop_check])
-def test_an_error_in_one_requests_step_fails_that_request_only(tiny_llama_dir, break_victim,
-                                                               monkeypatch):
+def test_an_error_in_one_requests_step_fails_that_request_only(
+    tiny_llama_dir, break_victim, monkeypatch
+):
     engine = tiny_engine(tiny_llama_dir)
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True,
-                            logit_bias={7: 2.0}, stop=["zz"])
+    seeded = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=8,
+        ignore_eos=True,
+        logit_bias={7: 2.0},
+        stop=["zz"],
+    )
     params = [SamplingParams(**NORMAL), seeded]
     prompts = [[11, 12, 13], [21, 22, 23, 24], [31, 32]]
     clean = {}
@@ -242,9 +262,24 @@ def server(tmp_path_factory, tiny_llama_dir):
     tmp = tmp_path_factory.mktemp("robust-server")
     keys = tmp / "keys.json"
     keys.write_text(json.dumps(TENANT_KEYS))
-    proc, base = start_server(tmp, "serve", "--model", str(tiny_llama_dir), "--served-model-name",
-                              MODEL, "--api-keys", str(keys), "--max-model-len", "256",
-                              "--num-kv-pages", "256", "--max-pending", "4096", "--threads", "1")
+    proc, base = start_server(
+        tmp,
+        "serve",
+        "--model",
+        str(tiny_llama_dir),
+        "--served-model-name",
+        MODEL,
+        "--api-keys",
+        str(keys),
+        "--max-model-len",
+        "256",
+        "--num-kv-pages",
+        "256",
+        "--max-pending",
+        "4096",
+        "--threads",
+        "1",
+    )
     yield base
     stop_server(proc)
 
@@ -259,11 +294,22 @@ async def complete(client: httpx.AsyncClient, base: str, key: str, **body) -> ht
 def test_top_p_that_float32_flushes_to_zero_is_refused_and_fails_no_one(server):
     """The attack: one completion with top_p=1e-46 (0 in float32) beside eight of another
     tenant's. It gets a 400 naming top_p; the eight, and the requests after, are served."""
+
     async def attack():
         async with httpx.AsyncClient(timeout=120) as client:
-            normal = [asyncio.create_task(complete(client, server, BOB, prompt=f"Story {i}:",
-                                                   max_tokens=48, ignore_eos=True))
-                      for i in range(8)]
+            normal = [
+                asyncio.create_task(
+                    complete(
+                        client,
+                        server,
+                        BOB,
+                        prompt=f"Story {i}:",
+                        max_tokens=48,
+                        ignore_eos=True,
+                    )
+                )
+                for i in range(8)
+            ]
             await asyncio.sleep(0.05)  # the eight are decoding
             bad = await complete(client, server, ALICE, top_p=1e-46, max_tokens=4)
             normal = await asyncio.gather(*normal)
@@ -280,7 +326,10 @@ def test_top_p_that_float32_flushes_to_zero_is_refused_and_fails_no_one(server):
 
 def http_body(params: dict) -> dict:
     """The OpenAI form of SamplingParams' fields: logit_bias keys are strings in JSON."""
-    return {**params, "logit_bias": {str(t): b for t, b in params["logit_bias"].items()}}
+    return {
+        **params,
+        "logit_bias": {str(t): b for t, b in params["logit_bias"].items()},
+    }
 
 
 def test_extreme_parameters_over_http_get_200_or_400_never_500(server, tokenizer):
@@ -291,9 +340,20 @@ def test_extreme_parameters_over_http_get_200_or_400_never_500(server, tokenizer
 
     async def fuzz():
         async with httpx.AsyncClient(timeout=120) as client:
-            normal = [asyncio.create_task(complete(client, server, BOB, prompt=f"Note {i}:",
-                                                   max_tokens=24, ignore_eos=True, temperature=0))
-                      for i in range(8)]
+            normal = [
+                asyncio.create_task(
+                    complete(
+                        client,
+                        server,
+                        BOB,
+                        prompt=f"Note {i}:",
+                        max_tokens=24,
+                        ignore_eos=True,
+                        temperature=0,
+                    )
+                )
+                for i in range(8)
+            ]
             fuzzed = await asyncio.gather(*(complete(client, server, ALICE, **b) for b in bodies))
             return fuzzed, await asyncio.gather(*normal)
 

@@ -1,4 +1,5 @@
 """Sampling parameters, stop handling, logprobs and detokenization on the real model."""
+
 import math
 
 import pytest
@@ -42,10 +43,16 @@ def requests_for(params: list[SamplingParams], seeds=None) -> list[Request]:
     return reqs
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
-    SamplingParams(temperature=1.3, top_k=20, top_p=0.9), SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95),
-], ids=["temperature", "top_p", "top_k+top_p", "min_p+top_p"])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=1.3, top_k=20, top_p=0.9),
+        SamplingParams(temperature=1.0, min_p=0.05, top_p=0.95),
+    ],
+    ids=["temperature", "top_p", "top_k+top_p", "min_p+top_p"],
+)
 def test_batched_sampling_draws_from_the_exact_distribution(params):
     """20,000 rows at once over a vocabulary of 700 (not a multiple of the draw's chunks):
     the frequencies match the distribution computed by sorting, and no token outside the
@@ -54,8 +61,16 @@ def test_batched_sampling_draws_from_the_exact_distribution(params):
     logits = torch.randn(700) * 2.5
     expected = reference_probs(logits, params)
     reqs = requests_for([params] * 20_000)
-    tokens = torch.tensor([t for t, _ in sample(logits.expand(20_000, -1).contiguous(), reqs,
-                                                torch.Generator().manual_seed(1))])
+    tokens = torch.tensor(
+        [
+            t
+            for t, _ in sample(
+                logits.expand(20_000, -1).contiguous(),
+                reqs,
+                torch.Generator().manual_seed(1),
+            )
+        ]
+    )
     seen = torch.bincount(tokens, minlength=700) / len(tokens)
     assert (seen[expected == 0] == 0).all()
     assert (seen - expected).abs().max() < 0.012, (seen - expected).abs().max()
@@ -67,8 +82,12 @@ def test_seeded_sampling_draws_the_same_tokens_in_any_batch():
     torch.manual_seed(1)
     logits = torch.randn(9, 49152) * 3
     mine = SamplingParams(temperature=0.9, top_p=0.9, top_k=200, seed=42)
-    others = [SamplingParams(temperature=t, top_p=q) for t, q in ((1.0, 1.0), (0.5, 0.7), (1.5, 0.95))] * 2 + [
-        SamplingParams(temperature=0, min_p=0.1), SamplingParams(temperature=1.0, top_k=5)]
+    others = [
+        SamplingParams(temperature=t, top_p=q) for t, q in ((1.0, 1.0), (0.5, 0.7), (1.5, 0.95))
+    ] * 2 + [
+        SamplingParams(temperature=0, min_p=0.1),
+        SamplingParams(temperature=1.0, top_k=5),
+    ]
     alone = requests_for([mine], [42])
     crowd = requests_for(others[:4] + [mine] + others[4:], [None] * 4 + [42] + [None] * 4)
     drawn_alone = [sample(logits[4:5], alone, torch.Generator())[0][0] for _ in range(12)]
@@ -104,8 +123,12 @@ def test_max_tokens_and_ignore_eos(real_llm):
     assert len(out.token_ids) == 40 and out.finish_reason == "length"
     eos = 2  # <|im_end|>, the GGUF file's tokenizer.ggml.eos_token_id
     assert real_llm.engine.eos_token_ids == {eos}
-    stopped = one(real_llm, "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n",
-                  temperature=0, max_tokens=40)[0]
+    stopped = one(
+        real_llm,
+        "<|im_start|>user\nSay yes.<|im_end|>\n<|im_start|>assistant\n",
+        temperature=0,
+        max_tokens=40,
+    )[0]
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == eos
 
 
@@ -114,24 +137,36 @@ def test_stop_strings_cut_the_text(real_llm):
     assert " 5," in full.text
     cut = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=20, stop=[" 5,"])[0]
     assert cut.finish_reason == "stop"
-    assert cut.text == full.text[:full.text.index(" 5,")]
+    assert cut.text == full.text[: full.text.index(" 5,")]
 
 
 def test_stop_token_ids(real_llm):
     full = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=10)[0]
     stop_at = full.token_ids[3]
-    cut = one(real_llm, "Count: 1, 2, 3,", temperature=0, max_tokens=10, stop_token_ids=[stop_at])[0]
-    assert cut.token_ids == full.token_ids[:full.token_ids.index(stop_at) + 1]
+    cut = one(
+        real_llm,
+        "Count: 1, 2, 3,",
+        temperature=0,
+        max_tokens=10,
+        stop_token_ids=[stop_at],
+    )[0]
+    assert cut.token_ids == full.token_ids[: full.token_ids.index(stop_at) + 1]
     assert cut.finish_reason == "stop"
 
 
 def test_penalties_reduce_repetition(real_llm):
     prompt = "Repeat after me: hello hello hello hello hello"
     plain = one(real_llm, prompt, temperature=0, max_tokens=32, ignore_eos=True)[0]
-    penalized = one(real_llm, prompt, temperature=0, max_tokens=32, ignore_eos=True,
-                    frequency_penalty=1.5, presence_penalty=1.0)[0]
-    distinct = lambda ids: len(set(ids))  # noqa: E731
-    assert distinct(penalized.token_ids) > distinct(plain.token_ids)
+    penalized = one(
+        real_llm,
+        prompt,
+        temperature=0,
+        max_tokens=32,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=1.0,
+    )[0]
+    assert len(set(penalized.token_ids)) > len(set(plain.token_ids))
 
 
 def test_logit_bias_bans_and_forces_tokens_of_one_request_only(real_llm):
@@ -139,8 +174,16 @@ def test_logit_bias_bans_and_forces_tokens_of_one_request_only(real_llm):
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     plain = real_llm.generate(prompt, greedy)[0].outputs[0].token_ids
     comma = real_llm.tokenizer.encode(",", add_special_tokens=False)[0]
-    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0})
-    forced = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logit_bias={comma: 100.0})
+    banned = SamplingParams(
+        temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100.0}
+    )
+    forced = SamplingParams(
+        temperature=0.8,
+        seed=3,
+        max_tokens=6,
+        ignore_eos=True,
+        logit_bias={comma: 100.0},
+    )
     outs = real_llm.generate([prompt] * 3, [greedy, banned, forced])
     assert outs[0].outputs[0].token_ids == plain  # a neighbour's bias does not leak into this row
     assert outs[1].outputs[0].token_ids[0] != plain[0]
@@ -150,7 +193,14 @@ def test_logit_bias_bans_and_forces_tokens_of_one_request_only(real_llm):
 def test_repetition_penalty_and_min_p(real_llm):
     prompt = "Repeat after me: hello hello hello hello hello"
     plain = one(real_llm, prompt, temperature=0, max_tokens=24, ignore_eos=True)[0]
-    penalized = one(real_llm, prompt, temperature=0, max_tokens=24, ignore_eos=True, repetition_penalty=1.8)[0]
+    penalized = one(
+        real_llm,
+        prompt,
+        temperature=0,
+        max_tokens=24,
+        ignore_eos=True,
+        repetition_penalty=1.8,
+    )[0]
     hello = set(real_llm.tokenizer.encode(" hello", add_special_tokens=False))
     assert sum(t in hello for t in penalized.token_ids) < sum(t in hello for t in plain.token_ids)
     # min_p = 1 keeps only the most likely token: sampling becomes greedy whatever the seed
@@ -200,15 +250,23 @@ def test_batch_invariance_alone_or_among_63_others(real_llm):
     target = "Explain why the sky is blue in two sentences."
     alone = real_llm.generate(target, params)[0].outputs[0]
     torch.manual_seed(0)
-    fillers = [f"Item {i}: " + " ".join(["word"] * int(torch.randint(1, 120, ()))) for i in range(63)]
+    fillers = [
+        f"Item {i}: " + " ".join(["word"] * int(torch.randint(1, 120, ()))) for i in range(63)
+    ]
     crowd = real_llm.generate(fillers[:31] + [target] + fillers[31:], params)[31].outputs[0]
     assert crowd.token_ids == alone.token_ids
     assert crowd.logprobs == alone.logprobs
 
 
 def tiny_engine(path, **config):
-    config = EngineConfig(model=str(path), page_size=4, num_kv_pages=64, max_model_len=128,
-                          num_threads=1, **config)
+    config = EngineConfig(
+        model=str(path),
+        page_size=4,
+        num_kv_pages=64,
+        max_model_len=128,
+        num_threads=1,
+        **config,
+    )
     return LLMEngine(config, progress=False)
 
 
@@ -220,7 +278,9 @@ def generate(engine, params: SamplingParams, prompt=(5, 6, 7, 8)) -> list[list[i
     return [done[(r.parent_id, r.index)].token_ids for r in reqs]
 
 
-def test_unseeded_sampling_is_seeded_from_the_os_and_a_seed_still_reproduces(tiny_llama_dir):
+def test_unseeded_sampling_is_seeded_from_the_os_and_a_seed_still_reproduces(
+    tiny_llama_dir,
+):
     """Two fresh engines draw different samples (40 tokens each from a spread-out
     distribution: a collision is vanishingly unlikely); a request's own seed, or the
     engine's configured one, reproduces its samples exactly."""
@@ -233,10 +293,16 @@ def test_unseeded_sampling_is_seeded_from_the_os_and_a_seed_still_reproduces(tin
     assert configured[0] == configured[1]
 
 
-@pytest.mark.parametrize("field, value", [
-    ("top_p", 1e-46), ("top_p", 1e-38), ("min_p", 1e-46), ("presence_penalty", 1e-40),
-    ("frequency_penalty", -1e-45),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1e-46),
+        ("top_p", 1e-38),
+        ("min_p", 1e-46),
+        ("presence_penalty", 1e-40),
+        ("frequency_penalty", -1e-45),
+    ],
+)
 def test_values_float32_cannot_hold_are_refused(field, value):
     """1e-46 is 0 in float32 (top_p=0 would keep no token), 1e-38 is a subnormal whose
     product with a probability rounds to 0: refused, naming the field."""
@@ -276,6 +342,7 @@ def test_logit_bias_tensors_are_built_once_per_request(tiny_llama_dir, monkeypat
         tensors = build(p, logits)
         built.append(tensors)
         return tensors
+
     monkeypatch.setattr(sampler, "logit_bias_tensors", counted)
     assert generate(engine, params) == [[forced] * 8]
     assert len(built) == 8 and all(tensors is built[0] for tensors in built)

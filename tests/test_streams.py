@@ -1,6 +1,7 @@
 """Streams and limits seen from a client's side: clients that stop reading or leave, the
 sequence limit, metrics on their own listener, cached-token counts on a public address
 without keys, and the environment that fault injection needs."""
+
 import asyncio
 import json
 import socket
@@ -9,8 +10,16 @@ import time
 import httpx
 import pytest
 
-from conftest import (ALLOW_FAULTS, TENANT_KEYS, free_port, metric, spawn_server, start_server,
-                      stop_server, wait_for_idle_pool)
+from helpers import (
+    ALLOW_FAULTS,
+    TENANT_KEYS,
+    free_port,
+    metric,
+    spawn_server,
+    start_server,
+    stop_server,
+    wait_for_idle_pool,
+)
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
@@ -20,17 +29,33 @@ from kvfence.server.async_engine import AsyncEngine, StreamStalled
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
 SMALL = ["--threads", "1", "--max-model-len", "1024", "--num-kv-pages", "128"]
 # Thousands of tokens: minutes of generation, so a request that ends within seconds was aborted.
-LONG = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 4000,
-        "ignore_eos": True, "temperature": 0}
+LONG = {
+    "model": MODEL,
+    "prompt": "Tell me a very long story.",
+    "max_tokens": 4000,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 SHARED = "You are a meticulous assistant for the accounting team. " * 12 + "Question: what is VAT?"
 
 
 @pytest.fixture(scope="module")
 def stream_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("streams")
-    proc, base = start_server(tmp, "serve", "--threads", "1", "--max-model-len", "4096",
-                              "--num-kv-pages", "300", "--max-pending", "4",
-                              "--stream-stall-timeout", "2")
+    proc, base = start_server(
+        tmp,
+        "serve",
+        "--threads",
+        "1",
+        "--max-model-len",
+        "4096",
+        "--num-kv-pages",
+        "300",
+        "--max-pending",
+        "4",
+        "--stream-stall-timeout",
+        "2",
+    )
     yield base
     stop_server(proc)
 
@@ -63,6 +88,7 @@ def wait_generating(base: str, timeout: float = 30) -> None:
 
 # --- F7: a stream's memory is bounded, and clients that stop reading or leave are aborted --
 
+
 def test_a_client_that_stops_reading_is_aborted_and_its_pages_freed(stream_server):
     before = aborted(stream_server)
     sock = send_unread(stream_server, {**LONG, "stream": True}, receive_buffer=4096)
@@ -86,8 +112,10 @@ def test_a_client_that_leaves_while_outputs_flow_is_aborted_at_once(stream_serve
 
 
 def test_a_mid_stream_output_carries_only_its_delta(tiny_llama_dir):
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), page_size=4, num_kv_pages=64,
-                                    max_model_len=128), progress=False)
+    engine = LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), page_size=4, num_kv_pages=64, max_model_len=128),
+        progress=False,
+    )
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
     engine.add_request(list(range(10, 20)), params)
     outputs = []
@@ -112,9 +140,6 @@ class IdleEngine:
     def has_unfinished(self) -> bool:
         return False
 
-    def expire_parked(self) -> None:
-        pass
-
     def step(self) -> list:
         return []
 
@@ -124,8 +149,17 @@ class IdleEngine:
 
 
 def one_token(index: int, token: int) -> RequestOutput:
-    return RequestOutput("r", index, [1], None, None, f"<{token}>", [token], False,
-                         delta_logprobs=[{"token_id": token}])
+    return RequestOutput(
+        "r",
+        index,
+        [1],
+        None,
+        None,
+        f"<{token}>",
+        [token],
+        False,
+        delta_logprobs=[{"token_id": token}],
+    )
 
 
 def test_outputs_a_reader_does_not_take_are_merged_one_per_choice():
@@ -167,9 +201,13 @@ def test_a_reader_that_takes_nothing_for_the_stall_timeout_ends_its_request():
 
 # --- F8: --max-pending counts sequences (prompts x n) ---------------------------------------
 
+
 def complete(base: str, **body) -> httpx.Response:
-    return httpx.post(base + "/v1/completions", timeout=60,
-                      json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body})
+    return httpx.post(
+        base + "/v1/completions",
+        timeout=60,
+        json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
+    )
 
 
 def test_a_request_of_more_sequences_than_max_pending_is_refused(stream_server):
@@ -182,8 +220,12 @@ def test_a_request_of_more_sequences_than_max_pending_is_refused(stream_server):
 
 
 def test_each_of_n_sequences_counts_toward_max_pending(stream_server):
-    with httpx.stream("POST", stream_server + "/v1/completions", timeout=60,
-                      json={**LONG, "n": 3, "stream": True}) as running:
+    with httpx.stream(
+        "POST",
+        stream_server + "/v1/completions",
+        timeout=60,
+        json={**LONG, "n": 3, "stream": True},
+    ) as running:
         lines = running.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)  # 3 of the 4 sequences are in flight
         busy = complete(stream_server, n=2)
@@ -196,16 +238,28 @@ def test_each_of_n_sequences_counts_toward_max_pending(stream_server):
 
 # --- F10: metrics and cached-token counts ------------------------------------------------------
 
+
 def test_metrics_on_their_own_listener_and_not_on_the_api_port(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps(TENANT_KEYS))
     metrics_port = free_port()
-    proc, base = start_server(tmp_path, "serve", *SMALL, "--api-keys", str(keys),
-                              "--metrics-port", str(metrics_port))
+    proc, base = start_server(
+        tmp_path,
+        "serve",
+        *SMALL,
+        "--api-keys",
+        str(keys),
+        "--metrics-port",
+        str(metrics_port),
+    )
     try:
         for key in TENANT_KEYS:
-            r = httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                           json={"model": MODEL, "prompt": SHARED, "max_tokens": 2}, timeout=60)
+            r = httpx.post(
+                base + "/v1/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": MODEL, "prompt": SHARED, "max_tokens": 2},
+                timeout=60,
+            )
             assert r.status_code == 200, r.text
         on_api = httpx.get(base + "/metrics")
         assert on_api.status_code == 404 and on_api.json()["error"]["code"] == "not_found"
@@ -213,8 +267,10 @@ def test_metrics_on_their_own_listener_and_not_on_the_api_port(tmp_path):
         assert 'kvfence_requests_ended_total{outcome="finished"} 2.0' in text
         assert not any(key in text for key in TENANT_KEYS), "a metric names a key"
         # The listener is the operators': per-tenant series are there, never on the API port.
-        assert all(f'kvfence_tenant_requests_total{{outcome="length",tenant="{t}"}} 1.0' in text
-                   for t in TENANT_KEYS.values())
+        assert all(
+            f'kvfence_tenant_requests_total{{outcome="length",tenant="{t}"}} 1.0' in text
+            for t in TENANT_KEYS.values()
+        )
     finally:
         stop_server(proc)
 
@@ -233,6 +289,7 @@ def test_a_public_server_without_keys_reports_no_cached_tokens(tmp_path):
 
 # --- F11: faults need KVFENCE_ALLOW_FAULTS=1 and show in /health ----------------------------
 
+
 def test_an_injected_fault_needs_the_environment_and_shows_in_health(tmp_path, monkeypatch):
     monkeypatch.delenv("KVFENCE_ALLOW_FAULTS", raising=False)
     fault = ["--inject-fault", "legacy-reject-path", *SMALL]
@@ -246,18 +303,29 @@ def test_an_injected_fault_needs_the_environment_and_shows_in_health(tmp_path, m
     proc, base = start_server(tmp_path, "serve", *fault, env=ALLOW_FAULTS)
     try:
         health = httpx.get(base + "/health").json()
-        assert health == {"status": "ok", "role": "unified", "fault": "legacy-reject-path"}
+        assert health == {
+            "status": "ok",
+            "role": "unified",
+            "fault": "legacy-reject-path",
+        }
     finally:
         stop_server(proc)
 
 
 def test_health_names_no_fault_when_none_is_injected(stream_server):
-    assert httpx.get(stream_server + "/health").json() == {"status": "ok", "role": "unified"}
+    assert httpx.get(stream_server + "/health").json() == {
+        "status": "ok",
+        "role": "unified",
+    }
 
 
 def test_the_offline_api_refuses_a_fault_without_the_environment(tiny_llama_dir, monkeypatch):
     monkeypatch.delenv("KVFENCE_ALLOW_FAULTS", raising=False)
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_pages=64, max_model_len=128,
-                          inject_fault="truncated-transfer")
+    config = EngineConfig(
+        model=str(tiny_llama_dir),
+        num_kv_pages=64,
+        max_model_len=128,
+        inject_fault="truncated-transfer",
+    )
     with pytest.raises(ConfigError, match="KVFENCE_ALLOW_FAULTS=1"):
         LLMEngine(config, progress=False)

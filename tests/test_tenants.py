@@ -1,4 +1,5 @@
 """Tenants' share of the engine: fair scheduling on the engine's step trace, not wall time."""
+
 from collections import Counter
 
 import pytest
@@ -10,9 +11,17 @@ from kvfence.engine.scheduler import Share
 
 
 def engine_for(tiny_llama_dir, scheduling="fair", **cfg):
-    config = dict(page_size=8, num_kv_pages=512, max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64)
-    return LLMEngine(EngineConfig(model=str(tiny_llama_dir), scheduling=scheduling, **{**config, **cfg}),
-                     progress=False)
+    config = dict(
+        page_size=8,
+        num_kv_pages=512,
+        max_model_len=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+    )
+    return LLMEngine(
+        EngineConfig(model=str(tiny_llama_dir), scheduling=scheduling, **{**config, **cfg}),
+        progress=False,
+    )
 
 
 def traced(engine):
@@ -31,8 +40,12 @@ def traced(engine):
 def add(engine, tenant, count, prompt_len, max_tokens, start=0):
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(count):
-        engine.add_request([1 + (start + i + j) % 500 for j in range(prompt_len)], params,
-                           request_id=f"{tenant}-{start + i}", tenant=tenant)
+        engine.add_request(
+            [1 + (start + i + j) % 500 for j in range(prompt_len)],
+            params,
+            request_id=f"{tenant}-{start + i}",
+            tenant=tenant,
+        )
 
 
 def first_step_of(trace, tenant) -> int:
@@ -84,7 +97,9 @@ def test_an_idle_tenant_banks_no_service(tiny_llama_dir):
     add(engine, "returning", 1, prompt_len=16, max_tokens=1)
     for _ in range(60):  # "returning" finishes early, then idles while "steady" works on
         engine.step()
-    assert not any(r.tenant == "returning" for r in [*engine.scheduler.waiting, *engine.scheduler.running])
+    assert not any(
+        r.tenant == "returning" for r in [*engine.scheduler.waiting, *engine.scheduler.running]
+    )
     add(engine, "returning", 20, prompt_len=200, max_tokens=1, start=1)
     start = len(trace)
     for _ in range(20):
@@ -138,10 +153,16 @@ def test_a_tenant_runs_at_most_its_concurrency(tiny_llama_dir):
 
 # --- limits and per-tenant metrics, over HTTP ------------------------------------------
 
-KEYS = {"sk-alice-quota-0001": {"tenant": "alice", "max_tokens_per_minute": 100},
-        "sk-bob-free-00000001": "bob",
-        "sk-carol-conc-000001": {"tenant": "carol", "max_concurrent_requests": 1, "max_queued_requests": 1},
-        "sk-ops-admin-000001": {"tenant": "ops", "admin": True}}
+KEYS = {
+    "sk-alice-quota-0001": {"tenant": "alice", "max_tokens_per_minute": 100},
+    "sk-bob-free-00000001": "bob",
+    "sk-carol-conc-000001": {
+        "tenant": "carol",
+        "max_concurrent_requests": 1,
+        "max_queued_requests": 1,
+    },
+    "sk-ops-admin-000001": {"tenant": "ops", "admin": True},
+}
 ALICE, BOB, CAROL, OPS = KEYS
 
 
@@ -149,12 +170,22 @@ ALICE, BOB, CAROL, OPS = KEYS
 def limited_server(tmp_path_factory):
     import json
 
-    from conftest import start_server, stop_server
+    from helpers import start_server, stop_server
 
     tmp = tmp_path_factory.mktemp("limited")
     (tmp / "keys.json").write_text(json.dumps(KEYS))
-    proc, base = start_server(tmp, "serve", "--api-keys", str(tmp / "keys.json"), "--threads", "1",
-                              "--max-model-len", "512", "--num-kv-pages", "128")
+    proc, base = start_server(
+        tmp,
+        "serve",
+        "--api-keys",
+        str(tmp / "keys.json"),
+        "--threads",
+        "1",
+        "--max-model-len",
+        "512",
+        "--num-kv-pages",
+        "128",
+    )
     yield base
     stop_server(proc)
 
@@ -162,10 +193,20 @@ def limited_server(tmp_path_factory):
 def complete(base, key, **body):
     import httpx
 
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": list(range(100, 110)), "max_tokens": 15,
-            "temperature": 0, "ignore_eos": True, **body}
-    return httpx.post(base + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
-                      timeout=120)
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "prompt": list(range(100, 110)),
+        "max_tokens": 15,
+        "temperature": 0,
+        "ignore_eos": True,
+        **body,
+    }
+    return httpx.post(
+        base + "/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=120,
+    )
 
 
 def test_tokens_per_minute_refuse_exactly_at_the_limit(limited_server):
@@ -180,19 +221,37 @@ def test_tokens_per_minute_refuse_exactly_at_the_limit(limited_server):
 def test_sequences_in_flight_refuse_over_concurrency_plus_queue(limited_server):
     import httpx
 
-    from conftest import wait_for_idle_pool
+    from helpers import wait_for_idle_pool
 
-    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "Count:", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "prompt": "Count:",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {CAROL}"}
-    with httpx.stream("POST", limited_server + "/v1/completions", json=body, headers=headers, timeout=120) as one:
+    with httpx.stream(
+        "POST",
+        limited_server + "/v1/completions",
+        json=body,
+        headers=headers,
+        timeout=120,
+    ) as one:
         lines = one.iter_lines()  # kept: a dropped iterator closes the stream
         next(lines)
-        with httpx.stream("POST", limited_server + "/v1/completions", json=body, headers=headers,
-                          timeout=120) as two:
+        with httpx.stream(
+            "POST",
+            limited_server + "/v1/completions",
+            json=body,
+            headers=headers,
+            timeout=120,
+        ) as two:
             assert two.status_code == 200
             third = complete(limited_server, CAROL)
-            assert third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_exceeded"
+            assert (
+                third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_exceeded"
+            )
             assert complete(limited_server, BOB).status_code == 200
     wait_for_idle_pool(limited_server)
     assert complete(limited_server, CAROL).status_code == 200
@@ -204,14 +263,16 @@ def test_per_tenant_metrics_need_an_admin_key(limited_server):
     complete(limited_server, BOB)
     public = httpx.get(limited_server + "/metrics", headers={"Authorization": f"Bearer {BOB}"}).text
     assert "tenant" not in public and "bob" not in public
-    private = httpx.get(limited_server + "/metrics", headers={"Authorization": f"Bearer {OPS}"}).text
+    private = httpx.get(
+        limited_server + "/metrics", headers={"Authorization": f"Bearer {OPS}"}
+    ).text
     assert 'kvfence_tenant_requests_total{outcome="length",tenant="bob"}' in private
     assert 'kvfence_tenant_fair_share_counter{tenant="bob"}' in private
     assert 'kvfence_tenant_generation_tokens_total{tenant="bob"}' in private
 
 
 def test_kv_usage_returns_to_idle_while_cached_pages_stay_evictable(limited_server):
-    from conftest import metric, wait_for_idle_pool
+    from helpers import metric, wait_for_idle_pool
 
     prompt = "A long shared preamble about the accounts of the quarter. " * 8
     assert complete(limited_server, BOB, prompt=prompt, max_tokens=2).status_code == 200
@@ -225,7 +286,10 @@ def test_quota_window_and_refunds():
     from kvfence.server.quotas import OverQuota, Quotas
 
     now = [0.0]
-    quotas = Quotas(ApiKeys({"k": KeyEntry(tenant="t", max_tokens_per_minute=100)}), clock=lambda: now[0])
+    quotas = Quotas(
+        ApiKeys({"k": KeyEntry(tenant="t", max_tokens_per_minute=100)}),
+        clock=lambda: now[0],
+    )
     charge = quotas.charge("t", 1, 100)
     with pytest.raises(OverQuota):
         quotas.charge("t", 1, 1)

@@ -4,6 +4,7 @@ Reads kvfence, vLLM or SGLang launch arguments plus the model's shape (config.js
 GGUF file) and, where the pool is sized from memory, the accelerator's memory; computes
 KV bytes per token and the pool's capacity in tokens; names every mismatch and its fix.
 """
+
 import argparse
 import json
 from dataclasses import dataclass, field
@@ -12,8 +13,19 @@ from pathlib import Path
 from kvfence.config import GIB, ConfigError, EngineConfig
 from kvfence.model.config import ModelConfig
 
-DTYPE_BYTES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,
-               "fp8_e5m2": 1, "fp32": 4, "float32": 4}
+DTYPE_BYTES = {
+    "auto": 2,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "half": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "fp32": 4,
+    "float32": 4,
+}
 
 
 class ConfigInputError(ValueError):
@@ -37,7 +49,12 @@ class CapacityReport:
 
 
 def load_model_config(path: str | None) -> ModelConfig:
-    from kvfence.model.loader import ModelLoadError, gguf_model_config, hf_model_config, default_model_path
+    from kvfence.model.loader import (
+        ModelLoadError,
+        default_model_path,
+        gguf_model_config,
+        hf_model_config,
+    )
 
     p = Path(path) if path else default_model_path()
     try:
@@ -64,27 +81,58 @@ def _parse(argv: list[str], spec: dict[str, type]) -> dict:
     return {k: v for k, v in vars(known).items() if v is not None}
 
 
-def _memory_pool(mem_gib: float | None, fraction: float, weights_gib: float | None, tp: int,
-                 per_gpu_bytes_per_token: float, what: str) -> int:
+def _memory_pool(
+    mem_gib: float | None,
+    fraction: float,
+    weights_gib: float | None,
+    tp: int,
+    per_gpu_bytes_per_token: float,
+    what: str,
+) -> int:
     if mem_gib is None:
-        raise ConfigInputError(f"{what} sizes its KV pool from accelerator memory: give --accelerator-memory-gib "
-                               "(or the engine's explicit pool size)")
+        raise ConfigInputError(
+            f"{what} sizes its KV pool from accelerator memory: give --accelerator-memory-gib "
+            "(or the engine's explicit pool size)"
+        )
     usable = mem_gib * fraction - (weights_gib or 0) / tp
     if usable <= 0:
-        raise ConfigInputError(f"the weights ({weights_gib} GiB over {tp} GPUs) do not fit {fraction:.0%} of "
-                               f"{mem_gib} GiB")
+        raise ConfigInputError(
+            f"the weights ({weights_gib} GiB over {tp} GPUs) do not fit {fraction:.0%} of "
+            f"{mem_gib} GiB"
+        )
     return int(usable * GIB / per_gpu_bytes_per_token)
 
 
-def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_gib: float | None = None,
-          weights_gib: float | None = None) -> CapacityReport:
+def check(
+    engine: str,
+    argv: list[str],
+    model: ModelConfig,
+    accelerator_memory_gib: float | None = None,
+    weights_gib: float | None = None,
+) -> CapacityReport:
     if engine == "kvfence":
-        a = _parse(argv, {"--max-model-len": int, "--page-size": int, "--num-kv-pages": int, "--kv-memory-gib": float,
-                          "--dtype": str, "--kv-cache-dtype": str})
-        fields = {"--page-size": "page_size", "--num-kv-pages": "num_kv_pages", "--kv-memory-gib": "kv_memory_gib",
-                  "--dtype": "dtype", "--kv-cache-dtype": "kv_cache_dtype"}
-        config = EngineConfig(**{name: a[flag] for flag, name in fields.items() if flag in a})
+        a = _parse(
+            argv,
+            {
+                "--max-model-len": int,
+                "--page-size": int,
+                "--num-kv-pages": int,
+                "--kv-memory-gib": float,
+                "--dtype": str,
+                "--kv-cache-dtype": str,
+            },
+        )
+        fields = {
+            "--page-size": "page_size",
+            "--num-kv-pages": "num_kv_pages",
+            "--kv-memory-gib": "kv_memory_gib",
+            "--dtype": "dtype",
+            "--kv-cache-dtype": "kv_cache_dtype",
+        }
         try:
+            config = EngineConfig(**{name: a[flag] for flag, name in fields.items() if flag in a})
+            # whether the GGUF blocks would run there changes dtype's auto, not the KV dtype's
+            config.resolve_auto(gguf_blocks_run=False)
             per_token = config.size_pool(model)  # as `kvfence serve` sizes it
         except ConfigError as e:
             raise ConfigInputError(str(e)) from None
@@ -93,34 +141,74 @@ def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_g
         fix_flag = "--num-kv-pages (or --kv-memory-gib)"
         context_flag = "--max-model-len"
     elif engine == "vllm":
-        a = _parse(argv, {"--max-model-len": int, "--gpu-memory-utilization": float, "--kv-cache-dtype": str,
-                          "--tensor-parallel-size": int, "-tp": int, "--block-size": int,
-                          "--num-gpu-blocks-override": int, "--kv-cache-memory-bytes": int})
+        a = _parse(
+            argv,
+            {
+                "--max-model-len": int,
+                "--gpu-memory-utilization": float,
+                "--kv-cache-dtype": str,
+                "--tensor-parallel-size": int,
+                "-tp": int,
+                "--block-size": int,
+                "--num-gpu-blocks-override": int,
+                "--kv-cache-memory-bytes": int,
+            },
+        )
         tp = a.get("--tensor-parallel-size", a.get("-tp", 1))
         per_token = model.kv_bytes_per_token(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
         context = a.get("--max-model-len", model.max_position_embeddings)
         if "--num-gpu-blocks-override" in a:
-            pool, estimate = a["--num-gpu-blocks-override"] * a.get("--block-size", 16), False
+            pool, estimate = (
+                a["--num-gpu-blocks-override"] * a.get("--block-size", 16),
+                False,
+            )
         elif "--kv-cache-memory-bytes" in a:
             pool, estimate = int(a["--kv-cache-memory-bytes"] * tp / per_token), False
         else:
-            pool = _memory_pool(accelerator_memory_gib, a.get("--gpu-memory-utilization", 0.9), weights_gib, tp,
-                                per_token / tp, "vLLM")
+            pool = _memory_pool(
+                accelerator_memory_gib,
+                a.get("--gpu-memory-utilization", 0.9),
+                weights_gib,
+                tp,
+                per_token / tp,
+                "vLLM",
+            )
             estimate = True
-        fix_flag, context_flag = "--gpu-memory-utilization / --kv-cache-memory-bytes or more GPUs", "--max-model-len"
+        fix_flag, context_flag = (
+            "--gpu-memory-utilization / --kv-cache-memory-bytes or more GPUs",
+            "--max-model-len",
+        )
     elif engine == "sglang":
-        a = _parse(argv, {"--context-length": int, "--max-total-tokens": int, "--mem-fraction-static": float,
-                          "--kv-cache-dtype": str, "--tp-size": int, "--tp": int})
+        a = _parse(
+            argv,
+            {
+                "--context-length": int,
+                "--max-total-tokens": int,
+                "--mem-fraction-static": float,
+                "--kv-cache-dtype": str,
+                "--tp-size": int,
+                "--tp": int,
+            },
+        )
         tp = a.get("--tp-size", a.get("--tp", 1))
         per_token = model.kv_bytes_per_token(DTYPE_BYTES.get(a.get("--kv-cache-dtype", "auto"), 2))
         context = a.get("--context-length", model.max_position_embeddings)
         if "--max-total-tokens" in a:
             pool, estimate = a["--max-total-tokens"], False
         else:
-            pool = _memory_pool(accelerator_memory_gib, a.get("--mem-fraction-static", 0.88), weights_gib, tp,
-                                per_token / tp, "SGLang")
+            pool = _memory_pool(
+                accelerator_memory_gib,
+                a.get("--mem-fraction-static", 0.88),
+                weights_gib,
+                tp,
+                per_token / tp,
+                "SGLang",
+            )
             estimate = True
-        fix_flag, context_flag = "--max-total-tokens (or --mem-fraction-static, more GPUs)", "--context-length"
+        fix_flag, context_flag = (
+            "--max-total-tokens (or --mem-fraction-static, more GPUs)",
+            "--context-length",
+        )
     else:
         raise ConfigInputError(f"unknown engine '{engine}' (kvfence, vllm, sglang)")
     if context <= 0 or pool < 0:
@@ -128,27 +216,39 @@ def check(engine: str, argv: list[str], model: ModelConfig, accelerator_memory_g
 
     report = CapacityReport(engine, context, pool, estimate, per_token)
     if context > model.max_position_embeddings:
-        report.warnings.append(f"the advertised context {context:,} is beyond the model's "
-                               f"{model.max_position_embeddings:,} trained positions")
+        report.warnings.append(
+            f"the advertised context {context:,} is beyond the model's "
+            f"{model.max_position_embeddings:,} trained positions"
+        )
     if pool < context:
         report.errors.append(
-            f"the KV pool holds {pool:,} tokens but the advertised context is {context:,} tokens: a prompt between "
-            f"the two cannot be served. Raise the pool with {fix_flag} to at least {context:,} tokens "
-            f"(about {2 * context:,} advised, {2 * context * per_token / GIB:.1f} GiB of KV) or lower "
-            f"{context_flag} below {pool:,}.")
+            f"the KV pool holds {pool:,} tokens but the advertised context is {context:,} tokens: "
+            f"a prompt between the two cannot be served. "
+            f"Raise the pool with {fix_flag} to at least {context:,} tokens "
+            f"(about {2 * context:,} advised, {2 * context * per_token / GIB:.1f} GiB of KV) "
+            f"or lower {context_flag} below {pool:,}."
+        )
     elif pool < 2 * context:
-        report.warnings.append(f"the pool ({pool:,} tokens) holds one full-context request but less than two "
-                               f"({2 * context:,} tokens); long requests will queue behind each other")
+        report.warnings.append(
+            f"the pool ({pool:,} tokens) holds one full-context request but less than two "
+            f"({2 * context:,} tokens); long requests will queue behind each other"
+        )
     if estimate:
-        report.notes.append("the pool size is estimated from memory; the engine's start-up log has the exact figure")
-    report.notes.append(f"KV bytes per token: {per_token:,} ({model.num_layers} layers x {model.num_kv_heads} KV "
-                        f"heads x {model.head_dim} dims x 2 (K and V))")
+        report.notes.append(
+            "the pool size is estimated from memory; the engine's start-up log has the exact figure"
+        )
+    report.notes.append(
+        f"KV bytes per token: {per_token:,} ({model.num_layers} layers x {model.num_kv_heads} KV "
+        f"heads x {model.head_dim} dims x 2 (K and V))"
+    )
     return report
 
 
 def format_report(r: CapacityReport) -> str:
-    lines = [f"{r.engine}: advertised context {r.context_tokens:,} tokens, KV pool "
-             f"{'~' if r.pool_is_estimate else ''}{r.pool_tokens:,} tokens"]
+    lines = [
+        f"{r.engine}: advertised context {r.context_tokens:,} tokens, KV pool "
+        f"{'~' if r.pool_is_estimate else ''}{r.pool_tokens:,} tokens"
+    ]
     lines += [f"  ERROR    {e}" for e in r.errors]
     lines += [f"  WARNING  {w}" for w in r.warnings]
     lines += [f"  note     {n}" for n in r.notes]

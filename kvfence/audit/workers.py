@@ -1,6 +1,7 @@
 """Probes a deployment's workers from a client's position: every internal endpoint must
 refuse a client key (or no key at all). One that answers lets a client drive prefill or
 decode directly, or read transfer manifests, which name the KV pool's addresses."""
+
 import asyncio
 from dataclasses import dataclass
 
@@ -18,7 +19,11 @@ INTERNAL_ENDPOINTS = [
 REFUSED = {401, 403}
 ABSENT = {404, 405}
 PROBE_ID = "0" * 32
-PROBE_BODY = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+PROBE_BODY = {
+    "prompt": "hi",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 1,
+}
 
 
 @dataclass
@@ -42,18 +47,26 @@ class Probe:
 
 async def probe_workers(urls: list[str], keys: list[str], timeout: float = 30) -> list[Probe]:
     """Sends every internal endpoint of every worker each client key, and no key."""
-    probes = [Probe(url.rstrip("/"), method, path.format(id=PROBE_ID), k)
-              for url in urls for method, path in INTERNAL_ENDPOINTS for k in [None, *range(len(keys))]]
+    probes = [
+        Probe(url.rstrip("/"), method, path.format(id=PROBE_ID), k)
+        for url in urls
+        for method, path in INTERNAL_ENDPOINTS
+        for k in [None, *range(len(keys))]
+    ]
     async with httpx.AsyncClient(timeout=timeout) as client:
         await asyncio.gather(*[_send(client, p, keys) for p in probes])
     return probes
 
 
 async def _send(client: httpx.AsyncClient, probe: Probe, keys: list[str]) -> None:
-    headers = {} if probe.key_index is None else {"Authorization": f"Bearer {keys[probe.key_index]}"}
+    headers = (
+        {} if probe.key_index is None else {"Authorization": f"Bearer {keys[probe.key_index]}"}
+    )
     body = PROBE_BODY if probe.method == "POST" else None
     try:
-        r = await client.request(probe.method, probe.worker + probe.path, json=body, headers=headers)
+        r = await client.request(
+            probe.method, probe.worker + probe.path, json=body, headers=headers
+        )
     except httpx.HTTPError as e:
         probe.failure = type(e).__name__
         return

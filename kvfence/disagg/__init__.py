@@ -4,12 +4,14 @@ Router and workers share a cluster secret, the internal token, that no client ho
 `/internal/*` call carries it, and a worker refuses any that does not, whatever client key
 it has. Client keys still name the tenant; the token only says the caller is the cluster.
 """
+
 import hmac
 from pathlib import Path
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+
+from kvfence.server.errors import APIError, error_response
 
 INTERNAL_TOKEN_HEADER = "x-kvfence-internal-token"
 INTERNAL_PREFIX = "/internal"
@@ -22,8 +24,10 @@ WORKER_KEEPALIVE_S = 30
 
 def read_internal_token(path: str | None, who: str) -> str:
     """The cluster secret from `path`; raises ValueError saying how to make one."""
-    make = ("make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE, "
-            "and give the same file to the router and every worker (kvfence cluster makes its own)")
+    make = (
+        "make one with: python -c 'import secrets; print(secrets.token_urlsafe(32))' > FILE, "
+        "and give the same file to the router and every worker (kvfence cluster makes its own)"
+    )
     if path is None:
         raise ValueError(f"{who} needs --internal-token-file FILE: {make}")
     try:
@@ -31,8 +35,10 @@ def read_internal_token(path: str | None, who: str) -> str:
     except OSError as e:
         raise ValueError(f"cannot read the internal token from {path}: {e}") from None
     if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"the internal token in {path} has {len(token)} characters, at least "
-                         f"{MIN_TOKEN_CHARS} are needed: {make}")
+        raise ValueError(
+            f"the internal token in {path} has {len(token)} characters, at least "
+            f"{MIN_TOKEN_CHARS} are needed: {make}"
+        )
     return token
 
 
@@ -45,15 +51,21 @@ def require_internal_token(app: FastAPI, token: str) -> None:
         if request.url.path.startswith(INTERNAL_PREFIX):
             sent = request.headers.get(INTERNAL_TOKEN_HEADER, "").encode()
             if not hmac.compare_digest(sent, expected):
-                body = {"error": {"message": "internal endpoint: only the cluster's router and workers "
-                                             "may call it", "type": "invalid_request_error",
-                                  "param": None, "code": "invalid_internal_token"}}
-                return JSONResponse(body, status_code=401)
+                return error_response(
+                    APIError(
+                        401,
+                        "internal endpoint: only the cluster's router and workers may call it",
+                        code="invalid_internal_token",
+                    )
+                )
         return await call_next(request)
 
 
 def worker_client(token: str, timeout: float | None = 5.0) -> httpx.AsyncClient:
     """An HTTP client for calls to workers: it carries the cluster token, and drops idle
     connections well before the workers do."""
-    return httpx.AsyncClient(timeout=timeout, headers={INTERNAL_TOKEN_HEADER: token},
-                             limits=httpx.Limits(keepalive_expiry=WORKER_KEEPALIVE_S / 6))
+    return httpx.AsyncClient(
+        timeout=timeout,
+        headers={INTERNAL_TOKEN_HEADER: token},
+        limits=httpx.Limits(keepalive_expiry=WORKER_KEEPALIVE_S / 6),
+    )

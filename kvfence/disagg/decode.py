@@ -8,6 +8,7 @@ checksum, and only then lets the request decode after exactly the tokens it rece
 mismatch, timeout or dead peer fails the request with an error (never 200 with text); the
 reserved pages are freed once the read has returned, never while it may still write them.
 """
+
 import asyncio
 import logging
 import re
@@ -16,11 +17,16 @@ import time
 import httpx
 from fastapi import FastAPI, Request
 
-from kvfence import faults
 from kvfence.disagg.prefill import single_prompt
-from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, manifest_from_dict, verify
+from kvfence.disagg.transfer import (
+    KVTransfer,
+    Manifest,
+    TransferError,
+    manifest_from_dict,
+)
 from kvfence.engine.sampling_params import InvalidRequest
-from kvfence.server.api import APIError, prepare, respond
+from kvfence.server.api import add_completion_routes, prepare, respond
+from kvfence.server.errors import APIError, api_error, bad_gateway
 
 PREFILL_URL_HEADER = "x-kvfence-prefill-url"
 TRANSFER_ID_HEADER = "x-kvfence-transfer-id"
@@ -30,32 +36,50 @@ log = logging.getLogger("kvfence.decode")
 
 
 def transfer_failed(message: str) -> APIError:
-    return APIError(502, f"KV transfer from the prefill worker failed: {message}", type="internal_error",
-                    code="kv_transfer_failed")
+    return bad_gateway(
+        f"KV transfer from the prefill worker failed: {message}", "kv_transfer_failed"
+    )
 
 
 def routed_transfer(request: Request, prompt: list[int]) -> tuple[str, str]:
     """The router's (prefill URL, transfer id), checked for form: an empty transfer (no KV)
     is only right for a one-token prompt, whose single token the decode side computes."""
-    prefill_url, transfer_id = request.headers.get(PREFILL_URL_HEADER), request.headers.get(TRANSFER_ID_HEADER)
+    prefill_url, transfer_id = (
+        request.headers.get(PREFILL_URL_HEADER),
+        request.headers.get(TRANSFER_ID_HEADER),
+    )
     if prefill_url is None or transfer_id is None:
         raise APIError(400, "decode workers take requests from the router only", code="not_routed")
     if transfer_id and not TRANSFER_ID.fullmatch(transfer_id):
         raise APIError(400, "malformed transfer id", code="invalid_transfer")
     if not transfer_id and len(prompt) > 1:
-        raise APIError(400, f"a prompt of {len(prompt)} tokens needs the KV of {len(prompt) - 1}: "
-                       "an empty transfer carries none", code="invalid_transfer")
+        raise APIError(
+            400,
+            f"a prompt of {len(prompt)} tokens needs the KV of {len(prompt) - 1}: "
+            "an empty transfer carries none",
+            code="invalid_transfer",
+        )
     return prefill_url.rstrip("/"), transfer_id
 
 
-async def fetch_manifest(client: httpx.AsyncClient, prefill_url: str, transfer_id: str, auth: dict,
-                         deadline: float) -> Manifest:
+async def fetch_manifest(
+    client: httpx.AsyncClient,
+    prefill_url: str,
+    transfer_id: str,
+    auth: dict,
+    deadline: float,
+) -> Manifest:
     """The manifest from the prefill worker; its errors are logged, not echoed to the client."""
     try:
-        r = await client.get(f"{prefill_url}/internal/transfer/{transfer_id}", headers=auth,
-                             timeout=max(deadline - time.monotonic(), 0.001))
+        r = await client.get(
+            f"{prefill_url}/internal/transfer/{transfer_id}",
+            headers=auth,
+            timeout=max(deadline - time.monotonic(), 0.001),
+        )
     except httpx.TimeoutException:
-        raise transfer_failed("the transfer did not finish within its deadline (fetching the manifest)") from None
+        raise transfer_failed(
+            "the transfer did not finish within its deadline (fetching the manifest)"
+        ) from None
     except httpx.HTTPError as e:
         raise transfer_failed(f"prefill worker unreachable ({type(e).__name__})") from None
     if r.status_code != 200:
@@ -70,31 +94,39 @@ async def fetch_manifest(client: httpx.AsyncClient, prefill_url: str, transfer_i
 def add_routes(app: FastAPI, transfer_timeout: float) -> None:
     async def release_at_prefill(client, prefill_url: str, transfer_id: str, auth: dict) -> None:
         try:
-            await client.post(f"{prefill_url}/internal/release/{transfer_id}", headers=auth, timeout=10)
+            await client.post(
+                f"{prefill_url}/internal/release/{transfer_id}",
+                headers=auth,
+                timeout=10,
+            )
         except httpx.HTTPError:
             pass  # the prefill worker frees parked pages when their lease ends
 
-    async def pull(s, manifest: Manifest, rid: str, pages: list[int], expected: int, deadline: float,
-                   prefill_url: str, auth: dict, legacy: bool) -> str | None:
+    async def pull(
+        s,
+        manifest: Manifest,
+        rid: str,
+        pages: list[int],
+        expected: int,
+        deadline: float,
+        prefill_url: str,
+        auth: dict,
+    ) -> str | None:
         """Reads the KV into the reserved pages and checks it; returns an error or None. The
         engine hears that the read has returned in any case, even if the caller is cancelled."""
         transfer: KVTransfer = app.state.transfer
         received = None
         try:
-            await asyncio.to_thread(transfer.read, manifest, pages[:manifest.page_count], deadline)
-            if not legacy:
-                sums = await asyncio.to_thread(transfer.checksums, pages, expected)
-                verify(manifest, expected, s.engine.pool, sums)
+            await asyncio.to_thread(transfer.read, manifest, pages[: manifest.page_count], deadline)
+            sums = await asyncio.to_thread(transfer.checksums, pages, expected)
+            transfer.verify(manifest, expected, sums)
             received = manifest.token_count
             return None
         except TransferError as e:
             log.error("request %s: %s", rid, e)
             return str(e)
         finally:
-            if legacy:
-                s.async_engine.post(lambda e: faults.trust_reservation(e, rid, received, expected))
-            else:
-                s.async_engine.post(lambda e: e.end_transfer(rid, received))
+            s.async_engine.post(lambda e: e.remote.end_transfer(rid, received))
             await release_at_prefill(app.state.http, prefill_url, manifest.transfer_id, auth)
 
     async def decode(request: Request, chat: bool):
@@ -104,9 +136,12 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
         p = await prepare(s, request, chat)
         prompt = single_prompt(p)
         prefill_url, transfer_id = routed_transfer(request, prompt)
-        auth = {"Authorization": request.headers["authorization"]} if "authorization" in request.headers else {}
+        auth = (
+            {"Authorization": request.headers["authorization"]}
+            if "authorization" in request.headers
+            else {}
+        )
         expected = len(prompt) - 1
-        legacy = faults.decode_trusts_reservation(s.engine)
         handle = s.start_stream()  # counted toward --max-pending before any call out
         rid = handle.ids[0]
         try:
@@ -114,34 +149,41 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
             if transfer_id:
                 manifest = await fetch_manifest(client, prefill_url, transfer_id, auth, deadline)
                 deadline = min(deadline, time.monotonic() + manifest.lease_s - LEASE_MARGIN_S)
-                if not legacy:
-                    try:
-                        verify(manifest, expected, s.engine.pool, None)
-                    except TransferError as e:
-                        raise transfer_failed(str(e)) from None
-            req = await s.async_engine.call(lambda e: e.reserve_remote(prompt, p.params, rid, p.tenant, expected))
+                try:
+                    request.app.state.transfer.verify(manifest, expected)
+                except TransferError as e:
+                    raise transfer_failed(str(e)) from None
+            req = await s.async_engine.call(
+                lambda e: e.remote.reserve(prompt, p.params, rid, p.tenant, expected)
+            )
         except BaseException as e:
             handle.close()
             if transfer_id:
                 await release_at_prefill(client, prefill_url, transfer_id, auth)
             if isinstance(e, InvalidRequest):
-                raise APIError(400, e.message, param=e.param, code=e.code) from None
+                raise api_error(e) from None
             raise
         if manifest is None:
-            await s.async_engine.call(lambda e: e.end_transfer(rid, 0))
+            await s.async_engine.call(lambda e: e.remote.end_transfer(rid, 0))
         else:
             # Shielded: a cancelled handler must not end the request while the read runs.
-            error = await asyncio.shield(asyncio.ensure_future(
-                pull(s, manifest, rid, list(req.block_table), expected, deadline, prefill_url, auth, legacy)))
+            error = await asyncio.shield(
+                asyncio.ensure_future(
+                    pull(
+                        s,
+                        manifest,
+                        rid,
+                        list(req.block_table),
+                        expected,
+                        deadline,
+                        prefill_url,
+                        auth,
+                    )
+                )
+            )
             if error is not None:
                 handle.close()
                 raise transfer_failed(error)
         return await respond(s, p, handle, request)
 
-    @app.post("/internal/decode/v1/completions")
-    async def decode_completion(request: Request):
-        return await decode(request, chat=False)
-
-    @app.post("/internal/decode/v1/chat/completions")
-    async def decode_chat(request: Request):
-        return await decode(request, chat=True)
+    add_completion_routes(app, "/internal/decode", decode)

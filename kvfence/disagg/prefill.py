@@ -7,22 +7,27 @@ holding the cluster token (disagg/__init__.py) gets to read it: it names the poo
 Parked pages are held under a lease: freed when the reader is done, or when the lease ends,
 which the manifest tells the reader so that it never reads past it.
 """
+
 import asyncio
 import time
 
 from fastapi import FastAPI, Request
 
-from kvfence import faults
 from kvfence.disagg.transfer import KVTransfer
 from kvfence.engine.sampling_params import InvalidRequest
-from kvfence.server.api import APIError, prepare
+from kvfence.server.api import add_completion_routes, prepare
+from kvfence.server.errors import APIError, api_error, api_errors, raise_if_failed
 
 PARK_TIMEOUT_S = 60.0
 
 
 def single_prompt(p) -> list[int]:
     if len(p.prompts) != 1 or p.params.n != 1:
-        raise APIError(400, "disaggregated serving takes one prompt with n=1 per request", param="n")
+        raise APIError(
+            400,
+            "disaggregated serving takes one prompt with n=1 per request",
+            param="n",
+        )
     return p.prompts[0]
 
 
@@ -32,7 +37,7 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
     def pulled(transfer_id: str) -> None:
         """The decode worker's read is done (its notification arrived): free the pages now."""
         manifests.pop(transfer_id, None)  # atomic; this runs on the transport's polling thread
-        app.state.server.async_engine.post(lambda e: e.release_parked(transfer_id))
+        app.state.server.async_engine.post(lambda e: e.remote.release_parked(transfer_id))
 
     async def prefill(request: Request, chat: bool):
         s = request.app.state.server
@@ -40,44 +45,45 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         p = await prepare(s, request, chat)
         prompt = single_prompt(p)
         if len(prompt) == 1:  # nothing to prefill: the decode worker computes the only token
-            s._translate(lambda: s.engine.validate(prompt, p.params, kv_tokens=1))
+            with api_errors():
+                s.engine.validate(prompt, p.params, kv_tokens=1)
             return {"transfer_id": "", "prompt_tokens": 1, "kv_tokens": 0}
         handle = s.start_stream()
         rid = handle.ids[0]
         try:
-            req = await s.async_engine.call(lambda e: e.add_prefill_only(prompt, p.params, rid, p.tenant, park_timeout))
+            req = await s.async_engine.call(
+                lambda e: e.remote.add_prefill_only(prompt, p.params, rid, p.tenant, park_timeout)
+            )
             while True:
                 _, out = await handle.next(timeout=park_timeout)
-                s.raise_if_failed(out)
+                raise_if_failed(out)
                 if out.parked:
                     break
         except InvalidRequest as e:
             handle.close()
-            raise APIError(400, e.message, param=e.param, code=e.code) from None
+            raise api_error(e) from None
         except BaseException:
             handle.close()
             raise
         handle.detach()
         transfer.on_pulled = pulled
-        manifest = await asyncio.to_thread(transfer.manifest, rid, list(req.block_table), req.num_tokens)
-        if s.engine.config.inject_fault == faults.TRUNCATED_TRANSFER:
-            faults.truncate(manifest, transfer)
+        manifest = await asyncio.to_thread(
+            transfer.manifest, rid, list(req.block_table), req.num_tokens
+        )
         now = time.monotonic()
         for tid, (deadline, _) in list(manifests.items()):
             if deadline < now:
                 manifests.pop(tid, None)
-        lease_end = req.park_deadline  # set by the engine when it parked the request
+        lease_end = s.engine.remote.lease_end.get(rid, time.monotonic())  # gone: it ended
         manifests[rid] = (lease_end, {"tenant": p.tenant, **manifest.to_dict()})
         transfer.expect(rid, lease_end)
-        return {"transfer_id": rid, "prompt_tokens": len(prompt), "kv_tokens": manifest.token_count}
+        return {
+            "transfer_id": rid,
+            "prompt_tokens": len(prompt),
+            "kv_tokens": manifest.token_count,
+        }
 
-    @app.post("/internal/prefill/v1/completions")
-    async def prefill_completion(request: Request):
-        return await prefill(request, chat=False)
-
-    @app.post("/internal/prefill/v1/chat/completions")
-    async def prefill_chat(request: Request):
-        return await prefill(request, chat=True)
+    add_completion_routes(app, "/internal/prefill", prefill)
 
     @app.get("/internal/transfer/{transfer_id}")
     async def get_manifest(transfer_id: str, request: Request):
@@ -86,7 +92,10 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         if entry is None or entry[1]["tenant"] != tenant:
             raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
         lease_end, manifest = entry
-        return {**{k: v for k, v in manifest.items() if k != "tenant"}, "lease_s": lease_end - time.monotonic()}
+        return {
+            **{k: v for k, v in manifest.items() if k != "tenant"},
+            "lease_s": lease_end - time.monotonic(),
+        }
 
     @app.post("/internal/release/{transfer_id}")
     async def release(transfer_id: str, request: Request):
@@ -96,5 +105,5 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         if entry is None or entry[1]["tenant"] != tenant:
             raise APIError(404, f"no parked transfer {transfer_id}", code="transfer_not_found")
         manifests.pop(transfer_id, None)
-        await s.async_engine.call(lambda e: e.release_parked(transfer_id))
+        await s.async_engine.call(lambda e: e.remote.release_parked(transfer_id))
         return {"released": transfer_id}

@@ -7,6 +7,7 @@ round robin; each worker authenticates the client's key itself, and the router p
 the cluster with the internal token. Of a client's headers only the key and content type go
 on, so no client can set the internal ones.
 """
+
 import itertools
 import logging
 
@@ -15,20 +16,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
+from kvfence import sse
 from kvfence.disagg import worker_client
 from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
+from kvfence.server.errors import bad_gateway, error_response
 
 log = logging.getLogger("kvfence.router")
 FORWARDED_HEADERS = ("authorization", "content-type")
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "internal_error" if status >= 500 else
-                                   "invalid_request_error", "param": None, "code": code}}, status_code=status)
+def _error(message: str, code: str) -> JSONResponse:
+    return error_response(bad_gateway(message, code))
 
 
-def create_router(prefill_urls: list[str], decode_urls: list[str], internal_token: str,
-                  timeout: float = 600) -> FastAPI:
+def create_router(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    internal_token: str,
+    timeout: float = 600,
+) -> FastAPI:
     app = FastAPI(title="kvfence router")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
@@ -38,19 +44,29 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], internal_toke
         """Every worker of one role once, starting with the next in that role's round robin."""
         start = next(turns[id(urls)]) % len(urls)
         return urls[start:] + urls[:start]
+
     client = worker_client(internal_token, timeout)
     registry = CollectorRegistry()
-    routed = Counter("kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry)
+    routed = Counter(
+        "kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry
+    )
 
     @app.get("/health")
     async def health():
         # Counts only: worker addresses are not for clients.
-        return {"status": "ok", "role": "router", "prefill_workers": len(prefill_urls),
-                "decode_workers": len(decode_urls)}
+        return {
+            "status": "ok",
+            "role": "router",
+            "prefill_workers": len(prefill_urls),
+            "decode_workers": len(decode_urls),
+        }
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return Response(
+            generate_latest(registry),
+            media_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -58,7 +74,7 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], internal_toke
         try:
             r = await client.get(url + "/v1/models", headers=_forward(request))
         except httpx.HTTPError:
-            return _error(502, f"prefill worker {url} unreachable", "prefill_unavailable")
+            return _error(f"prefill worker {url} unreachable", "prefill_unavailable")
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def route(request: Request, path: str):
@@ -67,25 +83,42 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], internal_toke
         # A worker that refuses the connection never saw the request: try the next one.
         for prefill in in_turn(prefill_urls):
             try:
-                r = await client.post(f"{prefill}/internal/prefill{path}", content=body, headers=headers)
+                r = await client.post(
+                    f"{prefill}/internal/prefill{path}", content=body, headers=headers
+                )
                 break
             except httpx.ConnectError:
                 log.warning("prefill worker %s refuses connections; trying the next", prefill)
             except httpx.HTTPError as e:
                 routed.labels("prefill_unavailable").inc()
-                return _error(502, f"prefill worker {prefill} failed: {type(e).__name__}", "prefill_unavailable")
+                return _error(
+                    f"prefill worker {prefill} failed: {type(e).__name__}",
+                    "prefill_unavailable",
+                )
         else:
             routed.labels("prefill_unavailable").inc()
-            return _error(502, "no prefill worker accepts connections", "prefill_unavailable")
+            return _error("no prefill worker accepts connections", "prefill_unavailable")
         if r.status_code != 200:  # refused at prefill: the decode side never hears of it
             routed.labels("refused_at_prefill").inc()
-            return Response(r.content, status_code=r.status_code, media_type="application/json",
-                            headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"})
+            return Response(
+                r.content,
+                status_code=r.status_code,
+                media_type="application/json",
+                headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"},
+            )
         transfer_id = r.json()["transfer_id"]
         upstream = None
         for decode in in_turn(decode_urls):
-            forward = client.build_request("POST", f"{decode}/internal/decode{path}", content=body, headers={
-                **headers, PREFILL_URL_HEADER: prefill, TRANSFER_ID_HEADER: transfer_id})
+            forward = client.build_request(
+                "POST",
+                f"{decode}/internal/decode{path}",
+                content=body,
+                headers={
+                    **headers,
+                    PREFILL_URL_HEADER: prefill,
+                    TRANSFER_ID_HEADER: transfer_id,
+                },
+            )
             try:
                 upstream = await client.send(forward, stream=True)
                 break
@@ -99,19 +132,26 @@ def create_router(prefill_urls: list[str], decode_urls: list[str], internal_toke
         if upstream is None:
             routed.labels("decode_unavailable").inc()
             if transfer_id:
-                await _quietly(client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers))
-            return _error(502, failure, "decode_unavailable")
+                await _quietly(
+                    client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers)
+                )
+            return _error(failure, "decode_unavailable")
         routed.labels("ok" if upstream.status_code == 200 else "failed_at_decode").inc()
         media = upstream.headers.get("content-type", "application/json")
         if not media.startswith("text/event-stream"):
             try:
                 content = await upstream.aread()
             except httpx.HTTPError as e:
-                return _error(502, f"decode worker {decode} failed: {type(e).__name__}", "decode_unavailable")
+                return _error(
+                    f"decode worker {decode} failed: {type(e).__name__}",
+                    "decode_unavailable",
+                )
             finally:
                 await upstream.aclose()
             return Response(content, status_code=upstream.status_code, media_type=media)
-        return StreamingResponse(_relay(upstream, decode), status_code=upstream.status_code, media_type=media)
+        return StreamingResponse(
+            _relay(upstream, decode), status_code=upstream.status_code, media_type=media
+        )
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -141,14 +181,14 @@ async def _quietly(coro) -> None:
 
 async def _relay(upstream: httpx.Response, decode: str):
     """Streams the decode worker's events; if it dies mid-stream the client gets an error event."""
-    import json
-
     try:
         async for chunk in upstream.aiter_raw():
             yield chunk
     except httpx.HTTPError as e:
-        error = {"error": {"message": f"decode worker {decode} failed mid-stream: {type(e).__name__}",
-                           "type": "internal_error", "param": None, "code": "decode_unavailable"}}
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        error = bad_gateway(
+            f"decode worker {decode} failed mid-stream: {type(e).__name__}",
+            "decode_unavailable",
+        )
+        yield (sse.event(error.body()) + sse.DONE).encode()
     finally:
         await upstream.aclose()

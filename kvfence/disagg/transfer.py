@@ -6,6 +6,7 @@ past the last token never leave the prefill node. The manifest travels separatel
 between token-holding workers only: it names the pool's addresses) and carries a CRC32 per
 page, so the receiver can prove it holds exactly what was sent.
 """
+
 import base64
 import os
 import threading
@@ -57,22 +58,29 @@ def page_spans(token_count: int, page_size: int) -> list[int]:
 class KVTransfer:
     def __init__(self, pool: KVPool, name: str | None = None):
         if pool.k.device.type != "cpu":
-            raise TransferError("disaggregated workers keep their KV pool in host memory: "
-                                "run them with --device cpu")
+            raise TransferError(
+                "disaggregated workers keep their KV pool in host memory: "
+                "run them with --device cpu"
+            )
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.pool = pool
         self.name = name or f"kvfence-{os.getpid()}-{id(self):x}"
         # No progress thread: it spins a core while idle; the puller drives progress by
         # polling. RW sync lets transfers from several threads (one per peer) run at once.
-        config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                   sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        config = nixl_agent_config(
+            enable_prog_thread=False,
+            backends=["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
         self.agent = nixl_agent(self.name, config)
         self.agent.register_memory([pool.k, pool.v])
         self.slot_bytes = pool.k.shape[2] * pool.k.shape[3] * pool.k.element_size()
         self.layer_stride = pool.k.shape[1] * self.slot_bytes
         self.metadata = base64.b64encode(self.agent.get_agent_metadata()).decode()
-        self._remotes: dict[str, str] = {}  # metadata -> agent name, loaded once per peer incarnation
+        self._remotes: dict[
+            str, str
+        ] = {}  # metadata -> agent name, loaded once per peer incarnation
         self._lock = threading.Lock()  # guards the two dicts, never held during a transfer
         self._expected: dict[str, float] = {}  # transfer id -> deadline, on the sending side
         self._wake = threading.Event()
@@ -87,7 +95,9 @@ class KVTransfer:
             self._expected[transfer_id] = deadline
             self._wake.set()
             if self._pump is None:
-                self._pump = threading.Thread(target=self._poll, name="kvfence-transfer", daemon=True)
+                self._pump = threading.Thread(
+                    target=self._poll, name="kvfence-transfer", daemon=True
+                )
                 self._pump.start()
 
     def _poll(self) -> None:
@@ -112,28 +122,55 @@ class KVTransfer:
     def descs(self, pages: list[int], token_count: int) -> list[list[int]]:
         """(address, bytes, device) of each page's written slots, for K then V, layer by layer."""
         spans = page_spans(token_count, self.pool.page_size)
-        return [[self.address(tensor, layer, page * self.pool.page_size), slots * self.slot_bytes, 0]
-                for tensor in (self.pool.k, self.pool.v) for layer in range(tensor.shape[0])
-                for page, slots in zip(pages, spans)]
+        return [
+            [
+                self.address(tensor, layer, page * self.pool.page_size),
+                slots * self.slot_bytes,
+                0,
+            ]
+            for tensor in (self.pool.k, self.pool.v)
+            for layer in range(tensor.shape[0])
+            for page, slots in zip(pages, spans)
+        ]
 
     def checksums(self, pages: list[int], token_count: int) -> list[int]:
         """CRC32 of each page's written slots, K then V, layer by layer (read in place)."""
         ps = self.pool.page_size
-        k, v = self.pool.k.view(torch.uint8).numpy(), self.pool.v.view(torch.uint8).numpy()  # numpy has no bf16
+        k, v = (
+            self.pool.k.view(torch.uint8).numpy(),
+            self.pool.v.view(torch.uint8).numpy(),
+        )  # numpy has no bf16
         sums = []
         for page, slots in zip(pages, page_spans(token_count, ps)):
             crc = 0
             for tensor in (k, v):
                 for layer in tensor:
-                    crc = zlib.crc32(layer[page * ps:page * ps + slots], crc)
+                    crc = zlib.crc32(layer[page * ps : page * ps + slots], crc)
             sums.append(crc)
         return sums
 
+    def verify(
+        self, manifest: Manifest, expected_tokens: int, sums: list[int] | None = None
+    ) -> None:
+        """`verify` against this worker's own pool."""
+        verify(manifest, expected_tokens, self.pool, sums)
+
     def manifest(self, transfer_id: str, pages: list[int], token_count: int) -> Manifest:
         k = self.pool.k
-        return Manifest(transfer_id, token_count, self.pool.page_size, len(page_spans(token_count, self.pool.page_size)),
-                        str(k.dtype).removeprefix("torch."), k.shape[0], k.shape[2], k.shape[3],
-                        self.checksums(pages, token_count), self.name, self.metadata, self.descs(pages, token_count))
+        return Manifest(
+            transfer_id,
+            token_count,
+            self.pool.page_size,
+            len(page_spans(token_count, self.pool.page_size)),
+            str(k.dtype).removeprefix("torch."),
+            k.shape[0],
+            k.shape[2],
+            k.shape[3],
+            self.checksums(pages, token_count),
+            self.name,
+            self.metadata,
+            self.descs(pages, token_count),
+        )
 
     def read(self, manifest: Manifest, pages: list[int], deadline: float) -> None:
         """Pulls the manifest's pages into `pages` of our pool, or raises TransferError by
@@ -148,8 +185,9 @@ class KVTransfer:
             local, remote = coalesce(self.descs(pages, manifest.token_count), manifest.descs)
             local = self.agent.get_xfer_descs(local, "DRAM")
             remote = self.agent.get_xfer_descs(remote, "DRAM")
-            handle = self.agent.initialize_xfer("READ", local, remote, remote_name,
-                                                manifest.transfer_id.encode())
+            handle = self.agent.initialize_xfer(
+                "READ", local, remote, remote_name, manifest.transfer_id.encode()
+            )
         except Exception as e:  # NIXL's errors share no base class
             raise TransferError(f"transport error: {type(e).__name__}: {e}") from None
         state = "ERR"
@@ -201,7 +239,11 @@ def coalesce(local: list[list[int]], remote: list[list[int]]) -> tuple[list[tupl
     for (la, ln, ld), (ra, rn, rd) in zip(local, remote):
         if ln != rn:
             raise TransferError(f"a remote region of {rn} bytes for a local one of {ln}")
-        if out_local and out_local[-1][0] + out_local[-1][1] == la and out_remote[-1][0] + out_remote[-1][1] == ra:
+        if (
+            out_local
+            and out_local[-1][0] + out_local[-1][1] == la
+            and out_remote[-1][0] + out_remote[-1][1] == ra
+        ):
             out_local[-1][1] += ln
             out_remote[-1][1] += rn
         else:
@@ -211,23 +253,41 @@ def coalesce(local: list[list[int]], remote: list[list[int]]) -> tuple[list[tupl
 
 
 def verify(manifest: Manifest, expected_tokens: int, pool: KVPool, received_checksums) -> None:
-    """Checks a manifest against what the receiver reserved; raises TransferError naming the mismatch."""
+    """Checks a manifest against what the receiver reserved; raises TransferError naming the
+    mismatch."""
     k = pool.k
-    mine = {"page_size": pool.page_size, "dtype": str(k.dtype).removeprefix("torch."), "num_layers": k.shape[0],
-            "kv_heads": k.shape[2], "head_dim": k.shape[3]}
+    mine = {
+        "page_size": pool.page_size,
+        "dtype": str(k.dtype).removeprefix("torch."),
+        "num_layers": k.shape[0],
+        "kv_heads": k.shape[2],
+        "head_dim": k.shape[3],
+    }
     for key, value in mine.items():
         if getattr(manifest, key) != value:
-            raise TransferError(f"manifest {key} is {getattr(manifest, key)}, this worker has {value}")
+            raise TransferError(
+                f"manifest {key} is {getattr(manifest, key)}, this worker has {value}"
+            )
     if manifest.token_count != expected_tokens:
-        raise TransferError(f"manifest carries {manifest.token_count} tokens, {expected_tokens} were expected")
+        raise TransferError(
+            f"manifest carries {manifest.token_count} tokens, {expected_tokens} were expected"
+        )
     pages = len(page_spans(expected_tokens, pool.page_size))
-    if manifest.page_count != pages or len(manifest.checksums) != pages or len(manifest.descs) != 2 * k.shape[0] * pages:
-        raise TransferError(f"manifest describes {manifest.page_count} pages / {len(manifest.descs)} regions, "
-                            f"{pages} pages were expected")
+    if (
+        manifest.page_count != pages
+        or len(manifest.checksums) != pages
+        or len(manifest.descs) != 2 * k.shape[0] * pages
+    ):
+        raise TransferError(
+            f"manifest describes {manifest.page_count} pages / {len(manifest.descs)} regions, "
+            f"{pages} pages were expected"
+        )
     if received_checksums is not None:
         bad = [i for i, (a, b) in enumerate(zip(manifest.checksums, received_checksums)) if a != b]
         if bad:
-            raise TransferError(f"checksum mismatch on {len(bad)} of {pages} pages (first: page {bad[0]})")
+            raise TransferError(
+                f"checksum mismatch on {len(bad)} of {pages} pages (first: page {bad[0]})"
+            )
 
 
 def manifest_from_dict(d) -> Manifest:
@@ -237,8 +297,14 @@ def manifest_from_dict(d) -> Manifest:
     try:
         manifest = Manifest(**d)
     except (TypeError, ValidationError) as e:
-        fields = sorted({str(err["loc"][0]) for err in e.errors()}) if isinstance(e, ValidationError) else []
-        raise TransferError(f"malformed manifest (fields: {', '.join(fields) or 'unknown'})") from None
+        fields = (
+            sorted({str(err["loc"][0]) for err in e.errors()})
+            if isinstance(e, ValidationError)
+            else []
+        )
+        raise TransferError(
+            f"malformed manifest (fields: {', '.join(fields) or 'unknown'})"
+        ) from None
     if any(len(desc) != 3 or min(desc) < 0 for desc in manifest.descs):
         raise TransferError("malformed manifest: a region is not (address, bytes, device)")
     return manifest

@@ -1,23 +1,54 @@
-"""Turns a scheduled batch into tensors, checks ownership, and runs the model once."""
+"""Loads the model; turns a scheduled batch into tensors, checks ownership, and runs the
+model once."""
+
 import logging
+from pathlib import Path
 from typing import Callable
 
 import torch
 
+from kvfence.config import EngineConfig
 from kvfence.engine.decode_graphs import DecodeGraphs
 from kvfence.engine.request import Request
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.kv.sentinel import check_batch
+from kvfence.kv.sentinel import TableCheck, check_batch
 from kvfence.model.attention import AttentionMetadata, PrefillChunk
+from kvfence.model.config import ModelConfig
+from kvfence.model.kernels import decode_kernel, linear_kernel
 from kvfence.model.llama import LlamaModel
+from kvfence.model.loader import has_gguf_blocks, load_model, resolve_model_path
 
 log = logging.getLogger("kvfence.sentinel")
 
 
+def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig, LlamaModel]:
+    """Finds the model, settles what `auto` stands for, loads the weights in the layout
+    --dtype asks for and completes the configuration from the model's own."""
+    path = resolve_model_path(config.model)
+    blocks_run = (
+        config.device == "cpu" and has_gguf_blocks(path) and linear_kernel("cpu") is not None
+    )
+    config.resolve_auto(gguf_blocks_run=blocks_run)
+    model_config, weights = load_model(path, progress=progress, keep_blocks=config.keeps_blocks)
+    config.resolve(model_config)
+    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+    model = LlamaModel(
+        model_config, weights, config.device, dtype, int8_activations=config.dtype == "gguf-int8"
+    )
+    return path, model_config, model
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: KVPool, allocator: PageAllocator, sentinel: str,
-                 decode_kernel: Callable | None = None, graphs: DecodeGraphs | None = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: KVPool,
+        allocator: PageAllocator,
+        sentinel: str,
+        decode_kernel: Callable | None = None,
+        graphs: DecodeGraphs | None = None,
+    ):
         self.model = model
         self.decode_kernel = decode_kernel
         # With fp32 layers, prefill rows attend through the decode kernel too: each row to the
@@ -32,23 +63,53 @@ class ModelRunner:
         self.device = model.device
         self.sentinel_violations = 0
 
-    def check(self, batch: list[tuple[Request, int]]) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
+    @classmethod
+    def for_config(
+        cls, model: LlamaModel, pool: KVPool, allocator: PageAllocator, config: EngineConfig
+    ) -> "ModelRunner":
+        """The runner with the attention kernel and (on a GPU) decode graphs the config asks for."""
+        graphs = None
+        if config.device != "cpu" and not config.enforce_eager:
+            max_pages = -(-config.max_model_len // config.page_size)
+            graphs = DecodeGraphs(model, pool, config.max_num_seqs, max_pages)
+        kernel = decode_kernel(config.attention, config.device)
+        return cls(model, pool, allocator, config.kv_sentinel, kernel, graphs)
+
+    def check(
+        self, batch: list[tuple[Request, int]]
+    ) -> tuple[list[tuple[Request, int]], list[tuple[Request, str]]]:
         """Splits the batch into requests allowed to run and (request, violation) pairs."""
         if self.sentinel == "off":
             return batch, []
         allowed, failed = [], []
         tenant = self.allocator.tenant_number
-        problems = check_batch(self.allocator, [
-            (req.owner, tenant(req.tenant), req.block_table, req.page_generations,
-             req.num_shared_pages, req.num_computed_tokens, req.num_computed_tokens + n)
-            for req, n in batch])
+        problems = check_batch(
+            self.allocator,
+            [
+                TableCheck(
+                    req.owner,
+                    tenant(req.tenant),
+                    req.block_table,
+                    req.page_generations,
+                    req.num_shared_pages,
+                    req.num_computed_tokens,
+                    req.num_computed_tokens + n,
+                )
+                for req, n in batch
+            ],
+        )
         for (req, n), problem in zip(batch, problems):
             if problem is None:
                 allowed.append((req, n))
                 continue
             self.sentinel_violations += 1
             req.sentinel_violation = req.sentinel_violation or problem
-            log.error("KV SENTINEL: request %s (tenant %s): %s", req.request_id, req.tenant, problem)
+            log.error(
+                "KV SENTINEL: request %s (tenant %s): %s",
+                req.request_id,
+                req.tenant,
+                problem,
+            )
             if self.sentinel == "enforce":
                 failed.append((req, problem))
             else:
@@ -67,7 +128,9 @@ class ModelRunner:
         """One block table a row: each request's, repeated for each of its rows."""
         if all(n == 1 for _, n in rows):
             return tables
-        return tables.repeat_interleave(torch.tensor([n for _, n in rows], device=tables.device), dim=0)
+        return tables.repeat_interleave(
+            torch.tensor([n for _, n in rows], device=tables.device), dim=0
+        )
 
     def run(self, batch: list[tuple[Request, int]]) -> tuple[torch.Tensor, list[Request]]:
         """Computes every scheduled token. Returns logits for the requests whose chunk ends at
@@ -88,13 +151,23 @@ class ModelRunner:
         block_table = lengths = None
         kernel_rows = decodes + prefills if self.kernel_prefill else decodes
         if kernel_rows:
-            # Row i of a prefill chunk attends to the positions up to its own: a length of start + i + 1.
-            lengths = [pos + 1 for r, n in kernel_rows for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)]
+            # Row i of a prefill chunk attends to the positions up to its own: a length of
+            # start + i + 1.
+            lengths = [
+                pos + 1
+                for r, n in kernel_rows
+                for pos in range(r.num_computed_tokens, r.num_computed_tokens + n)
+            ]
             width = -(-max(lengths) // ps)
             block_table = [(r.block_table + [scratch_page] * width)[:width] for r, _ in kernel_rows]
         # A decode-only step where every row is sampled is what the graphs replay.
-        if self.graphs is not None and not prefills and all(
-                r.num_computed_tokens + 1 == r.num_tokens and not r.prefill_only for r, _ in decodes):
+        if (
+            self.graphs is not None
+            and not prefills
+            and all(
+                r.num_computed_tokens + 1 == r.num_tokens and not r.prefill_only for r, _ in decodes
+            )
+        ):
             logits = self.graphs.run(ids, positions, slots, block_table, lengths)
             return logits.float().cpu(), [r for r, _ in decodes]
         num_real = len(ids)
@@ -104,15 +177,20 @@ class ModelRunner:
         slots += [self.pool.scratch_slot] * pad
         chunks = []
         row = len(decodes)
-        torch_prefills = [] if self.kernel_prefill else prefills  # the chunks PyTorch's attention takes
+        # The chunks PyTorch's attention takes.
+        torch_prefills = [] if self.kernel_prefill else prefills
         for req, n in torch_prefills:
             start = req.num_computed_tokens
             length = start + n
             pos = torch.arange(length)
-            table = torch.tensor(req.block_table[:-(-length // ps)])
+            table = torch.tensor(req.block_table[: -(-length // ps)])
             context = table[pos // ps] * ps + pos % ps
             # A chunk from position 0 is plainly causal, which lets attention skip the masked half.
-            mask = None if start == 0 else (pos[None, :] <= torch.arange(start, length)[:, None]).to(self.device)
+            mask = (
+                None
+                if start == 0
+                else (pos[None, :] <= torch.arange(start, length)[:, None]).to(self.device)
+            )
             chunks.append(PrefillChunk(row, row + n, context.to(self.device), mask))
             row += n
 
@@ -125,12 +203,16 @@ class ModelRunner:
         num_sampled = len(sample_rows)
         sample_rows += [0] * max(0, self.min_rows - num_sampled)
 
-        to = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        def to(x):
+            return torch.tensor(x, dtype=torch.long, device=self.device)
+
         meta = AttentionMetadata(
             slot_mapping=to(slots),
             page_size=ps,
             num_decode=len(lengths or ()),
-            decode_block_table=None if block_table is None else self.row_tables(to(block_table), kernel_rows),
+            decode_block_table=None
+            if block_table is None
+            else self.row_tables(to(block_table), kernel_rows),
             decode_lens=None if lengths is None else to(lengths),
             prefills=chunks,
             decode_kernel=self.decode_kernel,

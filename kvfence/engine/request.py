@@ -5,6 +5,7 @@ whether a request may still be scheduled, computed or transferred asks `is_termi
 never whether it is in one particular state: that confusion is what turned rejected
 requests into live ones in the 2026 incident.
 """
+
 import enum
 import itertools
 import time
@@ -30,8 +31,15 @@ class RequestState(enum.Enum):
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset({RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH,
-                             RequestState.ABORTED, RequestState.REJECTED, RequestState.FAILED})
+TERMINAL_STATES = frozenset(
+    {
+        RequestState.FINISHED_STOP,
+        RequestState.FINISHED_LENGTH,
+        RequestState.ABORTED,
+        RequestState.REJECTED,
+        RequestState.FAILED,
+    }
+)
 
 _owner_ids = itertools.count(1)
 
@@ -55,7 +63,7 @@ class Request:
     num_cached_tokens: int = 0
     prefix_checked: bool = False  # looked up in the prefix cache since last (re)admission
     prefill_only: bool = False  # disaggregated prefill: compute the KV, never sample
-    park_deadline: float | None = None  # prefilled and waiting for the decode side to pull it
+    lease_s: float = 0.0  # prefill-only: how long its KV stays parked for the decode side
     logprobs: list[dict] = field(default_factory=list)
     generator: torch.Generator | None = None
     error: str | None = None
@@ -90,7 +98,10 @@ class Request:
 
     def set_state(self, state: RequestState) -> None:
         if self.state.is_terminal:
-            raise RuntimeError(f"request {self.request_id} is already {self.state.value}, cannot become {state.value}")
+            raise RuntimeError(
+                f"request {self.request_id} is already {self.state.value}, "
+                f"cannot become {state.value}"
+            )
         self.state = state
         if state.is_terminal:
             self.finish_time = time.monotonic()

@@ -7,6 +7,7 @@ Editing, removing or reordering a line breaks the chain at that line; verify() s
 Rewriting every line from some point on, hashes included, is only caught against a hash
 kept elsewhere: the last line's hash is what to copy out.
 """
+
 import hashlib
 import json
 import os
@@ -24,20 +25,28 @@ def audit_record(record: dict, req, sentinel: str) -> dict:
     little-endian) with its length, never its text."""
     prompt = b"".join(t.to_bytes(4, "little") for t in req.prompt_token_ids)
     verdict = "off" if sentinel == "off" else (req.sentinel_violation or "ok")
-    return {**record, "arrived_at": round(time.time() - (time.monotonic() - req.arrival_time), 3),
-            "sentinel": verdict, "prompt_sha256": hashlib.sha256(prompt).hexdigest()}
+    return {
+        **record,
+        "arrived_at": round(time.time() - (time.monotonic() - req.arrival_time), 3),
+        "sentinel": verdict,
+        "prompt_sha256": hashlib.sha256(prompt).hexdigest(),
+    }
 
 
 def line_hash(entry: dict) -> str:
     """The hash of a line's content: every field but `hash`, in a canonical JSON form."""
     content = {k: v for k, v in entry.items() if k != "hash"}
-    return hashlib.sha256(json.dumps(content, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(
+        json.dumps(content, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
 
 
 def log_files(path: Path) -> list[Path]:
     """The rotated files oldest first (FILE.N ... FILE.1), then FILE itself."""
-    rotated = sorted((p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
-                     key=lambda p: -int(p.suffix[1:]))
+    rotated = sorted(
+        (p for p in path.parent.glob(path.name + ".*") if p.suffix[1:].isdigit()),
+        key=lambda p: -int(p.suffix[1:]),
+    )
     return rotated + ([path] if path.exists() else [])
 
 
@@ -117,12 +126,16 @@ def verify(path: str | Path) -> Verdict:
             if line_hash(entry) != stored:
                 problems.append(f"{where}: edited (its content does not match its hash)")
             if prev is not None and entry.get("prev") != prev:
-                problems.append(f"{where}: the chain breaks here (a line before it was removed, "
-                                "edited or moved)")
+                problems.append(
+                    f"{where}: the chain breaks here (a line before it was removed, "
+                    "edited or moved)"
+                )
             if count == 1:
                 first_seq = entry.get("seq", 0)
                 if (first_seq == 0) != (entry.get("prev") == GENESIS):
-                    problems.append(f"{where}: the first line kept does not start the chain it claims")
+                    problems.append(
+                        f"{where}: the first line kept does not start the chain it claims"
+                    )
             if seq is not None and entry.get("seq") != seq + 1:
                 problems.append(f"{where}: line number {entry.get('seq')} follows {seq}")
             prev, seq = stored, entry.get("seq")

@@ -1,5 +1,6 @@
 """Turns logits into the next token of each request: logit bias, penalties, temperature,
 top-k, top-p, min-p, seeded sampling, and log-probabilities of the raw model distribution."""
+
 import torch
 
 from kvfence.engine.request import Request
@@ -9,8 +10,11 @@ from kvfence.model.kernels import fused_ops
 
 def adjusts_logits(req: Request) -> bool:
     p = req.params
-    return bool(p.logit_bias or p.repetition_penalty != 1.0
-                or ((p.presence_penalty or p.frequency_penalty) and req.output_token_ids))
+    return bool(
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or ((p.presence_penalty or p.frequency_penalty) and req.output_token_ids)
+    )
 
 
 def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
@@ -26,12 +30,21 @@ def adjust_logits(logits: torch.Tensor, req: Request) -> torch.Tensor:
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(req.all_token_ids, device=logits.device).unique()
         old = logits[seen]
-        logits = logits.index_copy(0, seen, torch.where(old > 0, old / p.repetition_penalty,
-                                                        old * p.repetition_penalty))
+        logits = logits.index_copy(
+            0,
+            seen,
+            torch.where(old > 0, old / p.repetition_penalty, old * p.repetition_penalty),
+        )
     if (p.presence_penalty or p.frequency_penalty) and req.output_token_ids:
-        counts = torch.bincount(torch.tensor(req.output_token_ids, device=logits.device),
-                                minlength=logits.shape[-1]).to(logits.dtype)
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+        counts = torch.bincount(
+            torch.tensor(req.output_token_ids, device=logits.device),
+            minlength=logits.shape[-1],
+        ).to(logits.dtype)
+        logits = (
+            logits
+            - p.frequency_penalty * counts
+            - p.presence_penalty * (counts > 0).to(logits.dtype)
+        )
     return logits
 
 
@@ -40,14 +53,17 @@ def logit_bias_tensors(p: SamplingParams, logits: torch.Tensor) -> tuple[torch.T
     cached = p.logit_bias_tensors
     if cached is None or cached[1].dtype != logits.dtype or cached[1].device != logits.device:
         on = dict(device=logits.device)
-        cached = (torch.tensor(list(p.logit_bias), **on),
-                  torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, **on))
+        cached = (
+            torch.tensor(list(p.logit_bias), **on),
+            torch.tensor(list(p.logit_bias.values()), dtype=logits.dtype, **on),
+        )
         p.logit_bias_tensors = cached
     return cached
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (its first maximum); the CPU kernel's is several times faster than torch's."""
+    """Each row's argmax (its first maximum), through the CPU kernel where there is one, which
+    vectorizes what torch.argmax does in scalar code."""
     ops = fused_ops(logits.device.type)
     return (logits.argmax(dim=-1) if ops is None else ops.argmax_rows(logits.contiguous())).tolist()
 
@@ -67,7 +83,9 @@ def draw(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     chunk = torch.searchsorted(cdf, target, right=True)
-    before = torch.where(chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(total))
+    before = torch.where(
+        chunk > 0, cdf.gather(1, (chunk - 1).clamp(min=0)), torch.zeros_like(total)
+    )
     inside = chunks[torch.arange(rows, device=probs.device), chunk[:, 0]].cumsum(-1)
     rest = torch.minimum(target - before, torch.nextafter(inside[:, -1:], torch.zeros_like(total)))
     return chunk[:, 0] * CHUNK + torch.searchsorted(inside, rest, right=True)[:, 0]
@@ -77,7 +95,9 @@ def rows_of(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t if rows == list(range(len(t))) else t[rows]  # indexing copies: skip it for all rows
 
 
-def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[int]:
+def sample_rows(
+    logits: torch.Tensor, requests: list[Request], generator: torch.Generator
+) -> list[int]:
     """Samples one token per row of `logits`: temperature, top-k, top-p over what top-k
     keeps, then min-p. Each draw takes one uniform number from the request's own generator
     (seeded ones) or the engine's, and every step is row by row, so a seeded request draws
@@ -89,16 +109,22 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.
     and draw again (rejection sampling: the kept draws follow the nucleus exactly)."""
     params = [req.params for req in requests]
     on = dict(dtype=logits.dtype, device=logits.device)
-    probs = torch.softmax(logits / torch.tensor([p.temperature for p in params], **on)[:, None], dim=-1)
+    probs = torch.softmax(
+        logits / torch.tensor([p.temperature for p in params], **on)[:, None], dim=-1
+    )
     top_k = [j for j, p in enumerate(params) if 0 < p.top_k < probs.shape[-1]]
     if top_k:
         ks = torch.tensor([params[j].top_k for j in top_k], device=logits.device)
         floor = torch.zeros(len(params), **on)
-        floor[top_k] = torch.topk(rows_of(probs, top_k), int(ks.max())).values.gather(1, (ks - 1)[:, None])[:, 0]
+        floor[top_k] = torch.topk(rows_of(probs, top_k), int(ks.max())).values.gather(
+            1, (ks - 1)[:, None]
+        )[:, 0]
         probs.masked_fill_(probs < floor[:, None], 0.0)
     nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        limit = torch.tensor([params[j].top_p for j in nucleus], **on) * rows_of(probs, nucleus).sum(-1)
+        limit = torch.tensor([params[j].top_p for j in nucleus], **on) * rows_of(
+            probs, nucleus
+        ).sum(-1)
     # min-p once the nucleus's mass is known: it drops only tokens less likely than any it
     # keeps, so the nucleus test of a drawn token sees the same mass above it
     if any(p.min_p > 0.0 for p in params):
@@ -106,21 +132,27 @@ def sample_rows(logits: torch.Tensor, requests: list[Request], generator: torch.
         probs.masked_fill_(probs < floor[:, None], 0.0)
 
     def uniforms(rows) -> torch.Tensor:
-        return torch.stack([torch.rand((), generator=requests[j].generator or generator) for j in rows]).to(**on)
+        return torch.stack(
+            [torch.rand((), generator=requests[j].generator or generator) for j in rows]
+        ).to(**on)
 
     tokens = draw(probs, uniforms(range(len(params))))
-    pending, rows = nucleus, rows_of(probs, nucleus)  # the rows whose last draw is not yet known to be in
+    # The rows whose last draw is not yet known to be in.
+    pending, rows = nucleus, rows_of(probs, nucleus)
     while pending:
         drawn = rows.gather(1, tokens[pending][:, None])
         outside = torch.where(rows > drawn, rows, 0.0).sum(-1) >= limit
         pending = [j for j, out in zip(pending, outside.tolist()) if out]
         if pending:
-            rows, drawn, limit = rows[outside], drawn[outside], limit[outside]  # copies: probs stays as it was
+            # Copies: probs stays as it was.
+            rows, drawn, limit = rows[outside], drawn[outside], limit[outside]
             tokens[pending] = draw(rows.masked_fill_(rows <= drawn, 0.0), uniforms(pending))
     return tokens.tolist()
 
 
-def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Generator) -> list[tuple[int, dict | None]]:
+def sample(
+    logits: torch.Tensor, requests: list[Request], generator: torch.Generator
+) -> list[tuple[int, dict | None]]:
     """Returns (token id, logprobs entry or None) per request."""
     adjusted = [adjusts_logits(req) for req in requests]
     plain = [req.params.greedy and not adj for req, adj in zip(requests, adjusted)]
@@ -146,19 +178,25 @@ def sample(logits: torch.Tensor, requests: list[Request], generator: torch.Gener
         for row, i in zip(logprobs, wanted):
             k = requests[i].params.logprobs
             top = torch.topk(row, k) if k else None
-            results[i] = (tokens[i], {
-                "token_id": tokens[i],
-                "logprob": float(row[tokens[i]]),
-                "top": [] if top is None else [(int(t), float(v)) for v, t in zip(top.values, top.indices)],
-            })
+            results[i] = (
+                tokens[i],
+                {
+                    "token_id": tokens[i],
+                    "logprob": float(row[tokens[i]]),
+                    "top": []
+                    if top is None
+                    else [(int(t), float(v)) for v, t in zip(top.values, top.indices)],
+                },
+            )
     return results
 
 
 Sampled = tuple[int, dict | None]  # a token id and its logprobs entry (or None)
 
 
-def sample_isolating_errors(logits: torch.Tensor, requests: list[Request],
-                            generator: torch.Generator) -> list[Sampled | Exception]:
+def sample_isolating_errors(
+    logits: torch.Tensor, requests: list[Request], generator: torch.Generator
+) -> list[Sampled | Exception]:
     """sample() over the whole batch; if that raises, each request again on its own, so an
     error one request's row or parameters cause comes back in that request's place and the
     others still get their token. (After such a failure a seeded row draws from where its
@@ -166,11 +204,12 @@ def sample_isolating_errors(logits: torch.Tensor, requests: list[Request],
     try:
         return sample(logits, requests, generator)
     except Exception:  # which row failed is not known: the rows that fail alone tell
-        return [sample_alone(logits[i:i + 1], req, generator) for i, req in enumerate(requests)]
+        return [sample_alone(logits[i : i + 1], req, generator) for i, req in enumerate(requests)]
 
 
-def sample_alone(logits: torch.Tensor, req: Request,
-                 generator: torch.Generator) -> Sampled | Exception:
+def sample_alone(
+    logits: torch.Tensor, req: Request, generator: torch.Generator
+) -> Sampled | Exception:
     try:
         return sample(logits, [req], generator)[0]
     except Exception as error:  # returned, not raised: the engine fails this request only

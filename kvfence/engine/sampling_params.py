@@ -1,4 +1,5 @@
 """Per-request sampling parameters and their validation (part of admission)."""
+
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 16
@@ -6,7 +7,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
-GREEDY_BELOW = 1e-5  # temperatures under it are greedy, as in vLLM: dividing logits by them overflows
+# Temperatures under it are greedy, as in vLLM: dividing logits by them overflows.
+GREEDY_BELOW = 1e-5
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 TINY = f"{FLOAT32_TINY:.3g}"  # as error messages show it
 
@@ -59,37 +61,98 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, "n", f"n must be an integer in [1, {MAX_N}]")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              "max_tokens", "max_tokens must be a positive integer")
-        check(0.0 <= self.temperature <= 2.0, "temperature", "temperature must be in [0, 2]")
+        check(
+            isinstance(self.n, int) and 1 <= self.n <= MAX_N,
+            "n",
+            f"n must be an integer in [1, {MAX_N}]",
+        )
+        check(
+            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            "max_tokens",
+            "max_tokens must be a positive integer",
+        )
+        check(
+            0.0 <= self.temperature <= 2.0,
+            "temperature",
+            "temperature must be in [0, 2]",
+        )
         check(0.0 < self.top_p <= 1.0, "top_p", "top_p must be in (0, 1]")
-        check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), "top_k",
-              "top_k must be -1 (off), 0 (off) or a positive integer")
-        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63), "seed",
-              "seed must be an integer in [0, 2**63)")
-        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "presence_penalty must be in [-2, 2]")
-        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "frequency_penalty must be in [-2, 2]")
+        check(
+            isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k",
+            "top_k must be -1 (off), 0 (off) or a positive integer",
+        )
+        check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            "seed must be an integer in [0, 2**63)",
+        )
+        check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty",
+            "presence_penalty must be in [-2, 2]",
+        )
+        check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            "frequency_penalty must be in [-2, 2]",
+        )
         # from 0.01: dividing a logit by less could overflow it
-        check(0.01 <= self.repetition_penalty <= 2.0, "repetition_penalty", "repetition_penalty must be in [0.01, 2]")
+        check(
+            0.01 <= self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            "repetition_penalty must be in [0.01, 2]",
+        )
         check(0.0 <= self.min_p <= 1.0, "min_p", "min_p must be in [0, 1]")
         for name in ("top_p", "min_p", "presence_penalty", "frequency_penalty"):
-            check(fits_float32(getattr(self, name)), name,
-                  f"{name} is too small for float32: if not 0, at least {TINY} in size")
-        check(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias",
-              f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens")
-        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias), "logit_bias",
-              f"logit_bias keys must be token ids in [0, {vocab_size})")
-        check(all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()), "logit_bias",
-              "logit_bias values must be in [-100, 100]")
-        check(all(fits_float32(b) for b in self.logit_bias.values()), "logit_bias",
-              f"logit_bias values are too small for float32: if not 0, at least {TINY} in size")
-        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
-              "logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}]")
-        check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        check(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop), "stop",
-              f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters")
-        check(len(self.stop_token_ids) <= MAX_STOP_STRINGS, "stop_token_ids",
-              f"at most {MAX_STOP_STRINGS} stop token ids")
-        check(all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids), "stop_token_ids",
-              f"stop token ids must be in [0, {vocab_size})")
+            check(
+                fits_float32(getattr(self, name)),
+                name,
+                f"{name} is too small for float32: if not 0, at least {TINY} in size",
+            )
+        check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens",
+        )
+        check(
+            all(isinstance(t, int) and 0 <= t < vocab_size for t in self.logit_bias),
+            "logit_bias",
+            f"logit_bias keys must be token ids in [0, {vocab_size})",
+        )
+        check(
+            all(-100.0 <= b <= 100.0 for b in self.logit_bias.values()),
+            "logit_bias",
+            "logit_bias values must be in [-100, 100]",
+        )
+        check(
+            all(fits_float32(b) for b in self.logit_bias.values()),
+            "logit_bias",
+            f"logit_bias values are too small for float32: if not 0, at least {TINY} in size",
+        )
+        check(
+            self.logprobs is None
+            or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"logprobs must be an integer in [0, {MAX_LOGPROBS}]",
+        )
+        check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"at most {MAX_STOP_STRINGS} stop strings",
+        )
+        check(
+            all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"each stop string must be 1 to {MAX_STOP_STRING_CHARS} characters",
+        )
+        check(
+            len(self.stop_token_ids) <= MAX_STOP_STRINGS,
+            "stop_token_ids",
+            f"at most {MAX_STOP_STRINGS} stop token ids",
+        )
+        check(
+            all(isinstance(t, int) and 0 <= t < vocab_size for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"stop token ids must be in [0, {vocab_size})",
+        )

@@ -12,6 +12,7 @@ When a running request needs a page and none is free, a running request not yet 
 step's batch is preempted, the most recently admitted of the tenant most over its share:
 its pages are freed and it goes back to the front of the waiting queue.
 """
+
 import heapq
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
@@ -24,13 +25,21 @@ from kvfence.kv.prefix_cache import PrefixCache
 @dataclass(frozen=True)
 class Share:
     """A tenant's weight under fair scheduling, and the most sequences it may run at once."""
+
     weight: float = 1.0
     max_running: int | None = None
 
 
 class Scheduler:
-    def __init__(self, allocator: PageAllocator, max_num_seqs: int, max_num_batched_tokens: int, release,
-                 prefix_cache: PrefixCache | None = None, fair: bool = True):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        release,
+        prefix_cache: PrefixCache | None = None,
+        fair: bool = True,
+    ):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
         self.max_num_seqs = max_num_seqs
@@ -48,7 +57,9 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         if req.is_terminal:
-            raise RuntimeError(f"request {req.request_id} is {req.state.value} and cannot be queued")
+            raise RuntimeError(
+                f"request {req.request_id} is {req.state.value} and cannot be queued"
+            )
         if not self._active[req.tenant]:  # becoming active: no credit for the time it was idle
             active = [self.counters[t] for t, n in self._active.items() if n]
             if active:
@@ -95,8 +106,12 @@ class Scheduler:
                 self._run(req, batch)
             else:  # a tenant's running prefills come before its waiting requests
                 cap = self.shares.get(tenant, Share()).max_running
-                if not admitting or len(self.running) >= self.max_num_seqs \
-                        or cap is not None and running[tenant] >= cap:
+                if (
+                    not admitting
+                    or len(self.running) >= self.max_num_seqs
+                    or cap is not None
+                    and running[tenant] >= cap
+                ):
                     continue  # nothing more of this tenant's can start this step
                 if req in self.waiting:
                     admitting = self._admit(req, batch)
@@ -117,7 +132,11 @@ class Scheduler:
         n = min(req.num_uncomputed_tokens, self.budget)
         while not self._reserve(req, n):
             in_batch = {r.owner for r, _ in batch}
-            candidates = [(self._key(r.tenant), i, r) for i, r in enumerate(self.running) if r.owner not in in_batch]
+            candidates = [
+                (self._key(r.tenant), i, r)
+                for i, r in enumerate(self.running)
+                if r.owner not in in_batch
+            ]
             victim = max(candidates, key=lambda c: c[:2])[2] if candidates else None
             self._preempt(victim)
             if victim is req:
@@ -150,22 +169,21 @@ class Scheduler:
             return
         req.prefix_checked = True
         pages = self.prefix_cache.lookup(req.tenant, req.owner, req.all_token_ids)
-        req.block_table.extend(pages)
-        req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
+        self.allocator.attach(req.block_table, req.page_generations, pages)
         req.num_shared_pages = len(pages)
         req.num_computed_tokens = req.num_cached_tokens = len(pages) * self.allocator.page_size
 
     def _reserve(self, req: Request, num_tokens: int) -> bool:
-        needed = self.allocator.pages_for(req.num_computed_tokens + num_tokens) - len(req.block_table)
+        needed = self.allocator.pages_for(req.num_computed_tokens + num_tokens) - len(
+            req.block_table
+        )
         if needed <= 0:
             return True
         if needed > self._available():
             return False
         if needed > self.allocator.num_free:
             self.prefix_cache.evict(needed - self.allocator.num_free)
-        pages = self.allocator.allocate(req.owner, needed)
-        req.block_table.extend(pages)
-        req.page_generations.extend(int(self.allocator.generation[p]) for p in pages)
+        self.allocator.grant(req.owner, req.block_table, req.page_generations, needed)
         return True
 
     def _preempt(self, req: Request) -> None:

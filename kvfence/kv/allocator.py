@@ -4,10 +4,12 @@ Every page is free or has exactly one owner: a request (its integer owner id) or
 prefix cache (PREFIX_OWNER, with a reference count of the requests that read it). Each
 free gives the page a fresh generation from one counter for the whole pool, so every
 (page, generation) pair names one page lifetime: an entry granted before a free, or an
-entry copied from another request's table, never matches what was recorded at grant. `written` counts the slots of a page its owner has filled, so
-nobody can read a slot that was not written for them. A prefix-cache page also records the
+entry copied from another request's table, never matches what was recorded at grant.
+`written` counts the slots of a page its owner has filled, so nobody can read a slot that
+was not written for them. A prefix-cache page also records the
 tenant that cached it and which requests hold its references, for the sentinel to check.
 """
+
 from collections import deque
 
 import numpy as np
@@ -59,6 +61,18 @@ class PageAllocator:
             self.owner[p] = owner
             self.written[p] = 0
         return pages
+
+    def grant(self, owner: int, table: list[int], generations: list[int], count: int) -> None:
+        """Allocates `count` pages to `owner` and appends them to its block table with their
+        generations: the only way pages enter a block table, so the sentinel can check each
+        entry against the lifetime it was granted in."""
+        self.attach(table, generations, self.allocate(owner, count))
+
+    def attach(self, table: list[int], generations: list[int], pages: list[int]) -> None:
+        """Appends pages the owner already holds (its own, or shared pages it took
+        references on) with their current generations."""
+        table.extend(pages)
+        generations.extend(self.generation[pages].tolist())
 
     def free_owner(self, owner: int) -> list[int]:
         """Releases every page the records say `owner` holds; returns them. Going by the

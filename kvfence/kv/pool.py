@@ -5,21 +5,29 @@ heads. One extra page past the allocatable ones is the scratch page: padding row
 batch write there and masked-out positions read from there. It is never granted to a
 request, so nothing real is ever stored in it.
 """
+
 import torch
 
 from kvfence.model.config import ModelConfig
 
 
 class KVPool:
-    def __init__(self, config: ModelConfig, num_pages: int, page_size: int, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_pages: int,
+        page_size: int,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
         self.num_pages = num_pages
         self.page_size = page_size
         slots = (num_pages + 1) * page_size
         shape = (config.num_layers, slots, config.num_kv_heads, config.head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # Each layer's (K, V) views, made once: indexing the pool per layer and step costs a dispatch each.
+        # Each layer's (K, V) views, made once: indexing the pool per layer and step costs a
+        # dispatch each.
         self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))
         self.scratch_slot = num_pages * page_size
 

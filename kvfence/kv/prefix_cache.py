@@ -6,6 +6,7 @@ are owned by the cache (PREFIX_OWNER), recorded with the tenant that cached them
 sentinel to check whoever reads them), and reference-counted by the requests that read
 them; unreferenced ones are evicted least recently used first when the pool runs short.
 """
+
 import hashlib
 from collections import OrderedDict
 
@@ -15,7 +16,7 @@ from kvfence.kv.allocator import PageAllocator
 def page_keys(tenant: str, token_ids: list[int], page_size: int, num_pages: int) -> list[bytes]:
     keys, parent = [], hashlib.sha256(b"kvfence-prefix\0" + tenant.encode()).digest()
     for i in range(num_pages):
-        chunk = token_ids[i * page_size:(i + 1) * page_size]
+        chunk = token_ids[i * page_size : (i + 1) * page_size]
         parent = hashlib.sha256(parent + b"".join(t.to_bytes(4, "little") for t in chunk)).digest()
         keys.append(parent)
     return keys
@@ -53,15 +54,27 @@ class PrefixCache:
         self.hit_tokens += len(found) * ps
         return found
 
-    def insert(self, tenant: str, owner: int, token_ids: list[int], block_table: list[int], num_shared: int) -> int:
+    def insert(
+        self,
+        tenant: str,
+        owner: int,
+        token_ids: list[int],
+        block_table: list[int],
+        num_shared: int,
+    ) -> int:
         """Hands the request's full prompt pages after its shared ones to the cache, in
-        order, while their keys are new and the request wrote them. Returns the new count of shared leading pages."""
+        order, while their keys are new and the request wrote them. Returns the new count of
+        shared leading pages."""
         ps = self.allocator.page_size
         full = len(token_ids) // ps
         keys = page_keys(tenant, token_ids, ps, full)
         for i in range(num_shared, full):
             page = block_table[i]
-            if keys[i] in self.pages or self.allocator.owner[page] != owner or self.allocator.written[page] != ps:
+            if (
+                keys[i] in self.pages
+                or self.allocator.owner[page] != owner
+                or self.allocator.written[page] != ps
+            ):
                 break  # only pages this request fully wrote itself enter the cache
             self.allocator.share(owner, page, tenant)
             self.pages[keys[i]] = page

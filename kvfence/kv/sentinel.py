@@ -5,14 +5,36 @@ prefix-cache page of its own tenant's cache that it holds a reference to), still
 the generation it had when it was granted, and every position attention will read was
 written for this request.
 """
+
+from typing import NamedTuple
+
 import numpy as np
 
 from kvfence.kv.allocator import PREFIX_OWNER, PageAllocator
 
 
-def check_block_table(allocator: PageAllocator, owner: int, tenant: int, block_table: list[int],
-                      generations: list[int], num_shared: int, num_written: int,
-                      num_tokens: int) -> str | None:
+class TableCheck(NamedTuple):
+    """One request of a step, as the sentinel checks it."""
+
+    owner: int
+    tenant: int  # allocator.tenant_number of the request's tenant
+    block_table: list[int]
+    generations: list[int]  # of each page when it was granted
+    num_shared: int  # leading pages borrowed from the tenant's prefix cache
+    num_written: int  # positions that must already hold the request's KV
+    num_tokens: int  # positions the step writes and reads
+
+
+def check_block_table(
+    allocator: PageAllocator,
+    owner: int,
+    tenant: int,
+    block_table: list[int],
+    generations: list[int],
+    num_shared: int,
+    num_written: int,
+    num_tokens: int,
+) -> str | None:
     """Returns None when the request may write and read positions [0, num_tokens), of which
     [0, num_written) must already hold its KV; else says what is wrong.
 
@@ -26,8 +48,10 @@ def check_block_table(allocator: PageAllocator, owner: int, tenant: int, block_t
     pages = block_table[:needed]
     if any(not 0 <= p < allocator.num_pages for p in pages):
         return "block table points outside the pool"
-    owners, issued, written = (records[pages].tolist() for records in
-                               (allocator.owner, allocator.generation, allocator.written))
+    owners, issued, written = (
+        records[pages].tolist()
+        for records in (allocator.owner, allocator.generation, allocator.written)
+    )
     for i, p in enumerate(pages):
         if owners[i] != (PREFIX_OWNER if i < num_shared else owner):
             return f"page {p} is owned by {owners[i]}, not by this request"
@@ -45,8 +69,9 @@ def check_block_table(allocator: PageAllocator, owner: int, tenant: int, block_t
     return None
 
 
-def check_shared_prefix(allocator: PageAllocator, owner: int, tenant: int,
-                        shared: list[int]) -> str | None:
+def check_shared_prefix(
+    allocator: PageAllocator, owner: int, tenant: int, shared: list[int]
+) -> str | None:
     """The request's leading prefix-cache pages are referenced, were cached by the request's
     own tenant, and are held through references the request took itself."""
     if (allocator.refcount[shared] <= 0).any():
@@ -59,21 +84,27 @@ def check_shared_prefix(allocator: PageAllocator, owner: int, tenant: int,
     return None
 
 
-# Up to this many pages a batch is checked request by request: numpy's fixed cost per call,
-# on the cold cache a forward pass leaves, made the vectorized pass about 0.15 ms, 4% of a
-# lone request's decode step, against 0.04 ms.
+# Up to this many pages a batch is checked request by request: below it, numpy's fixed cost
+# per call makes the vectorized pass slower than the plain loop.
 ONE_BY_ONE_PAGES = 128
 
 
-def check_batch(allocator: PageAllocator, entries: list[tuple]) -> list[str | None]:
-    """check_block_table for every (owner, tenant, block_table, generations, num_shared,
-    num_written, num_tokens) of a step, in one vectorized pass over all their pages: called one
-    by one, the checks cost a few percent of a bf16 decode step at batch 64. Small batches, and
-    any batch where something is wrong (to name the problem), are checked one by one."""
-    if sum(len(entry[2]) for entry in entries) <= ONE_BY_ONE_PAGES:
+def check_batch(allocator: PageAllocator, entries: list[TableCheck]) -> list[str | None]:
+    """check_block_table for every request of a step, in one vectorized pass over all their
+    pages, since checks one by one grow with the batch. Small batches, and any batch where
+    something is wrong (to name the problem), are checked one by one."""
+    if sum(len(entry.block_table) for entry in entries) <= ONE_BY_ONE_PAGES:
         return [check_block_table(allocator, *entry) for entry in entries]
     ps = allocator.page_size
-    pages, generations, owners, tenants, counts, shared, written = [], [], [], [], [], [], []
+    pages, generations, owners, tenants, counts, shared, written = (
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
     for owner, tenant, table, gens, num_shared, num_written, num_tokens in entries:
         needed = -(-num_tokens // ps)
         if len(table) < needed or len(gens) != len(table):
@@ -85,20 +116,30 @@ def check_batch(allocator: PageAllocator, entries: list[tuple]) -> list[str | No
         counts.append(needed)
         shared.append(num_shared)
         written.append(num_written)
-    pages, counts = np.asarray(pages, dtype=np.int64), np.asarray(counts, dtype=np.int64)
-    index = np.arange(pages.size) - np.repeat(np.cumsum(counts) - counts, counts)  # page index in its table
+    pages, counts = (
+        np.asarray(pages, dtype=np.int64),
+        np.asarray(counts, dtype=np.int64),
+    )
+    index = np.arange(pages.size) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )  # page index in its table
     expected_owner = np.repeat(np.asarray(owners, dtype=np.int64), counts)
     is_shared = index < np.repeat(np.asarray(shared, dtype=np.int64), counts)
     expected_owner[is_shared] = PREFIX_OWNER
     expected_tenant = np.repeat(np.asarray(tenants, dtype=np.int64), counts)
     required = np.clip(np.repeat(np.asarray(written, dtype=np.int64), counts) - index * ps, 0, ps)
-    if (pages.size == 0 or pages.min() >= 0 and pages.max() < allocator.num_pages) \
-            and (allocator.owner[pages] == expected_owner).all() \
-            and (allocator.refcount[pages[is_shared]] > 0).all() \
-            and (allocator.tenant[pages[is_shared]] == expected_tenant[is_shared]).all() \
-            and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all() \
-            and (allocator.written[pages] >= required).all() \
-            and all(allocator.holds_shared(owner, table[:num_shared])
-                    for owner, _, table, _, num_shared, _, _ in entries if num_shared):
+    if (
+        (pages.size == 0 or pages.min() >= 0 and pages.max() < allocator.num_pages)
+        and (allocator.owner[pages] == expected_owner).all()
+        and (allocator.refcount[pages[is_shared]] > 0).all()
+        and (allocator.tenant[pages[is_shared]] == expected_tenant[is_shared]).all()
+        and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all()
+        and (allocator.written[pages] >= required).all()
+        and all(
+            allocator.holds_shared(e.owner, e.block_table[: e.num_shared])
+            for e in entries
+            if e.num_shared
+        )
+    ):
         return [None] * len(entries)
     return [check_block_table(allocator, *entry) for entry in entries]

@@ -1,4 +1,5 @@
 """Paged attention: each request reads K/V only through the slots of its own block table."""
+
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -9,23 +10,24 @@ import torch.nn.functional as F
 
 @dataclass
 class PrefillChunk:
-    row_start: int          # rows [row_start, row_end) of the batch are this chunk's tokens
+    row_start: int  # rows [row_start, row_end) of the batch are this chunk's tokens
     row_end: int
     context_slots: torch.Tensor  # [L] pool slots of positions 0..L-1 of this request
-    mask: torch.Tensor | None    # [Q, L] bool, causal; None: the chunk starts at position 0 (Q == L)
+    mask: torch.Tensor | None  # [Q, L] bool, causal; None: chunk starts at position 0 (Q == L)
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor   # [T] slot each row's new K/V is written to
+    slot_mapping: torch.Tensor  # [T] slot each row's new K/V is written to
     page_size: int
     # Rows [0, num_decode) attend through a block table: decode steps, and prefill rows too
     # where the kernel takes them (ModelRunner.kernel_prefill), each to the positions up to its own.
     num_decode: int
     decode_block_table: torch.Tensor | None  # [Rd, P] pages; past a row's length, the scratch page
-    decode_lens: torch.Tensor | None         # [Rd] context length including the row's own token
+    decode_lens: torch.Tensor | None  # [Rd] context length including the row's own token
     prefills: list[PrefillChunk]
-    decode_kernel: Callable | None = None    # reads the pool in place (kernels.py); None: gather in PyTorch
+    # Reads the pool in place (kernels.py); None: gather in PyTorch.
+    decode_kernel: Callable | None = None
 
     @cached_property
     def decode_mask(self) -> torch.Tensor:
@@ -48,8 +50,14 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, page_size: int)
     return picked.view(rd, num_pages * page_size, cache.shape[1], cache.shape[2]).transpose(1, 2)
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, prefill_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    prefill_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """q: [T, H, D]; caches: [slots, KVH, D], fp32, bf16 or fp8. Returns [T, H, D] in the
     caches' dtype, or the model's (`prefill_dtype`) for an fp8 pool (zero for padding rows).
     Decode math is fp32; prefill runs in `prefill_dtype`, the model's: under fp32 layers a bf16
@@ -62,8 +70,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out_dtype = prefill_dtype if k_cache.dtype == torch.float8_e4m3fn else k_cache.dtype
     if rd and meta.decode_kernel is not None:
         qd = q if rd == num_rows else q[:rd]
-        decoded = meta.decode_kernel(qd.float().contiguous(), k_cache, v_cache, meta.decode_block_table,
-                                     meta.decode_lens, meta.page_size, scale)
+        decoded = meta.decode_kernel(
+            qd.float().contiguous(),
+            k_cache,
+            v_cache,
+            meta.decode_block_table,
+            meta.decode_lens,
+            meta.page_size,
+            scale,
+        )
         if rd == num_rows:  # a decode-only step: nothing else to fill in
             return decoded if decoded.dtype == out_dtype else decoded.to(out_dtype)
     out = torch.zeros_like(q, dtype=out_dtype)
@@ -81,10 +96,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
             out[:rd] = o.reshape(rd, num_heads, head_dim)
     for chunk in meta.prefills:
-        qp = q[chunk.row_start:chunk.row_end].to(prefill_dtype).transpose(0, 1).unsqueeze(0)  # [1, H, Q, D]
-        k = k_cache[chunk.context_slots].to(prefill_dtype).transpose(0, 1).unsqueeze(0)       # [1, KVH, L, D]
+        # qp: [1, H, Q, D]; k, v: [1, KVH, L, D]
+        qp = q[chunk.row_start : chunk.row_end].to(prefill_dtype).transpose(0, 1).unsqueeze(0)
+        k = k_cache[chunk.context_slots].to(prefill_dtype).transpose(0, 1).unsqueeze(0)
         v = v_cache[chunk.context_slots].to(prefill_dtype).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                           scale=scale, enable_gqa=group > 1)
-        out[chunk.row_start:chunk.row_end] = o[0].transpose(0, 1)
+        o = F.scaled_dot_product_attention(
+            qp,
+            k,
+            v,
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=group > 1,
+        )
+        out[chunk.row_start : chunk.row_end] = o[0].transpose(0, 1)
     return out

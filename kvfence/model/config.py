@@ -1,4 +1,5 @@
 """Shape of a Llama-family model, read from a GGUF header or a Hugging Face config.json."""
+
 from dataclasses import dataclass
 
 

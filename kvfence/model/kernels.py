@@ -1,32 +1,49 @@
-"""The CPU kernels in csrc/, compiled on first use."""
+"""The CPU kernels of csrc/, built at install by setup.py for AVX2 and AVX-512: the widest
+build this CPU runs is loaded, and nothing compiles at run time."""
+
 import functools
+import importlib
 import logging
-import os
-from pathlib import Path
 
 log = logging.getLogger("kvfence.kernels")
 
-# -ffast-math lets exp and the reductions vectorize; the linear kernel's sums must keep their order.
-FAST_MATH = {"fused": True, "linear": False, "paged_attention": True}
+VARIANTS = ("avx512", "avx2")  # widest first
+# What runs instead of each kernel where it is missing: the warning names what is slower.
+FALLBACKS = {
+    "paged_attention": "attention gathers the KV pages in PyTorch",
+    "linear": "linear layers run torch's matmul on float32 weights (no --dtype gguf)",
+    "fused": "the row ops and the greedy pick run as several PyTorch ops",
+}
 
 
 @functools.cache
-def build(name: str, march: str = "native"):
-    """The compiled module csrc/{name}.cpp, or None where it cannot be built (no C++
-    compiler, no ninja, neither AVX-512 nor AVX2 with FMA for `linear`); the callers then fall back to PyTorch.
-    `march` other than native builds for an older instruction set (the tests run AVX2 code on AVX-512 CPUs)."""
+def cpu_variant() -> str | None:
+    """The widest kernel build this CPU runs (by CPUID), or None: not an x86-64 CPU with AVX2,
+    or kvfence was installed without a C++ compiler."""
     try:
-        import ninja
-        from torch.utils.cpp_extension import load
+        cpu = importlib.import_module("kvfence.model._ext.cpu")
+    except ImportError:
+        return None
+    return next((v for v in VARIANTS if cpu.supports(v)), None)
 
-        # torch looks for ninja on PATH, which an unactivated virtualenv lacks.
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-        flags = ["-O3", f"-march={march}", "-fopenmp"] + (["-ffast-math"] if FAST_MATH[name] else [])
-        suffix = "" if march == "native" else "_" + march.replace("-", "_")
-        return load(name=f"kvfence_{name}{suffix}", sources=[str(Path(__file__).parent / "csrc" / f"{name}.cpp")],
-                    extra_cflags=flags, extra_ldflags=["-fopenmp"])
-    except Exception as e:  # noqa: BLE001 - any build failure means the PyTorch path
-        log.warning("CPU kernel %s unavailable, falling back to PyTorch: %s", name, e)
+
+@functools.cache
+def build(name: str, variant: str | None = None):
+    """The installed module of csrc/{name}.cpp for `variant` (default: this CPU's), or None,
+    with a warning saying what runs slower instead; callers then take the PyTorch path. The
+    tests load the AVX2 build on AVX-512 CPUs too."""
+    variant = variant or cpu_variant()
+    if variant is None:
+        log.warning(
+            "no CPU kernels for this CPU or this install (kvfence was installed without a C++ "
+            "compiler, or the CPU lacks AVX2): %s",
+            FALLBACKS[name],
+        )
+        return None
+    try:
+        return importlib.import_module(f"kvfence.model._ext.{name}_{variant}")
+    except ImportError as e:  # not built at install, or built against another torch
+        log.warning("CPU kernel %s_%s unavailable (%s): %s", name, variant, e, FALLBACKS[name])
         return None
 
 
@@ -37,7 +54,9 @@ def decode_kernel(attention: str, device: str):
         return None
     module = build("paged_attention")
     if module is None and attention == "kernel":
-        raise RuntimeError("--attention kernel was asked for but the kernel did not build (see the warning above)")
+        raise RuntimeError(
+            "--attention kernel was asked for but the kernel is not installed (see the warning)"
+        )
     return None if module is None else module.paged_decode_attention
 
 
@@ -57,7 +76,9 @@ def decode_layers(device: str):
     if None in modules:
         return None
     fused, linear, attention = modules
-    return functools.partial(fused.DecodeLayers, linear.packed_linear_fn, attention.paged_decode_attention_fn)
+    return functools.partial(
+        fused.DecodeLayers, linear.packed_linear_fn, attention.paged_decode_attention_fn
+    )
 
 
 def linear_kernel(device: str):

@@ -1,6 +1,7 @@
 """Linear layers: x @ weight.T + bias, weights in fp32, bf16 or GGUF blocks (times fp32 or,
 with --dtype gguf-int8, 8-bit activations). The output is in the layer's dtype (fp32 for GGUF
 blocks): bf16 layers hand bf16 on, which spares a conversion each way on every call."""
+
 from typing import Callable
 
 import torch
@@ -8,15 +9,17 @@ import torch.nn.functional as F
 
 from kvfence.model.loader import blocks_to_float
 
-PANEL = 32             # weight rows per panel of csrc/linear.cpp
-ONEDNN_MIN_ROWS = 8    # bf16 only: from this many rows oneDNN's bf16 GEMM (prepacked) beats the kernel
+PANEL = 32  # weight rows per panel of csrc/linear.cpp
+ONEDNN_MIN_ROWS = 8  # bf16: from this many rows oneDNN's prepacked bf16 GEMM beats the kernel
 
 
 def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) in panels of 32 rows (zero padded):
     the codes [ceil(N/32), K/32, 32 rows, 32 k] and the fp32 scales and offsets
     [ceil(N/32), K/32, 32 rows, 2]."""
-    panels = F.pad(blocks, (0, 0, 0, -blocks.shape[0] % PANEL)).view(-1, PANEL, blocks.shape[1] // 40, 40)
+    panels = F.pad(blocks, (0, 0, 0, -blocks.shape[0] % PANEL)).view(
+        -1, PANEL, blocks.shape[1] // 40, 40
+    )
     panels = panels.transpose(1, 2)
     return panels[..., 8:], panels[..., :8].contiguous().view(torch.float32)
 
@@ -32,13 +35,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
     codes, scales = block_panels(weight)
-    codes = codes.transpose(2, 3)                                                # [P, K/32, 32 k, 32 rows]
+    codes = codes.transpose(2, 3)  # [P, K/32, 32 k, 32 rows]
     if codes.max() < 16 and torch.equal(scales.half().float(), scales):
         scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
         codes = codes[..., :16] | codes[..., 16:] << 4
     else:
         scales = scales.view(torch.uint8).view(*scales.shape, 4)
-    return torch.cat([scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)], dim=2).contiguous()
+    return torch.cat(
+        [scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)],
+        dim=2,
+    ).contiguous()
 
 
 def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
@@ -50,15 +56,35 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
     codes, scales = block_panels(blocks)
     p, nb = codes.shape[:2]
     scale, offset = scales[..., 0], scales[..., 1]
-    codes = codes.view(p, nb, 4, 8, 32)                                         # [P, K/32, g, j, k]
-    half = lambda t: t.half().view(torch.uint8).view(p, nb, 2 * PANEL)  # noqa: E731
-    fp16 = lambda t: torch.equal(t.half().float(), t)  # noqa: E731
+    codes = codes.view(p, nb, 4, 8, 32)  # [P, K/32, g, j, k]
+
+    def half(t):
+        return t.half().view(torch.uint8).view(p, nb, 2 * PANEL)
+
+    def fp16(t):
+        return torch.equal(t.half().float(), t)
+
     if codes.max() < 16 and fp16(scales):
-        nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)  # [P, K/32, h, g, j, t, high]
-        packed = torch.cat([half(scale), half(offset), (nibbles[..., 0] | nibbles[..., 1] << 4).flatten(2)], dim=2)
-    elif torch.equal(offset, -128 * scale) and fp16(scale):  # Q8_0: signed codes q = code - 128, no offset
+        # [P, K/32, h, g, j, t, high]
+        nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
+        packed = torch.cat(
+            [
+                half(scale),
+                half(offset),
+                (nibbles[..., 0] | nibbles[..., 1] << 4).flatten(2),
+            ],
+            dim=2,
+        )
+    elif torch.equal(offset, -128 * scale) and fp16(scale):
+        # Q8_0: signed codes q = code - 128, no offset
         signed = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
-        packed = torch.cat([half(scale), signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2)], dim=2)
+        packed = torch.cat(
+            [
+                half(scale),
+                signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2),
+            ],
+            dim=2,
+        )
     else:
         raise ValueError("8-bit activations need Q4_0, Q4_1 or Q8_0 blocks with fp16 scales")
     return packed.contiguous().view(torch.int8)
@@ -66,10 +92,13 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
 
 def onednn_prepacked(weight: torch.Tensor) -> torch.Tensor | None:
     """bf16 weights reordered once into oneDNN's blocked layout (F.linear reorders them on
-    every call, which cost 25-45% per layer at 16-64 rows here), or None where oneDNN has no
-    bf16 GEMM. Packed for 64 rows, a full decode batch; other row counts still run."""
-    if not (weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+    every call, a large part of a layer's time at decode batch sizes), or None where oneDNN
+    has no bf16 GEMM. Packed for 64 rows, a full decode batch; other row counts still run."""
+    if not (
+        weight.device.type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
         return None
     return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
 
@@ -84,32 +113,58 @@ class Linear:
     batches, they keep its layout too and use the kernel for small batches only, and are then
     not batch invariant. int8_activations (GGUF blocks only): the kernel rounds x to 8 bits
     per block of 32 and sums on integers, llama.cpp's arithmetic: faster, still batch
-    invariant, not the fp32 bits. Without the kernel (GPU, no compiler, neither AVX-512 nor AVX2):
-    torch's matmul."""
+    invariant, not the fp32 bits. Without the kernel (GPU, no compiler, neither AVX-512 nor
+    AVX2): torch's matmul."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device,
-                 kernel: Callable | None, int8_activations: bool = False):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernel: Callable | None,
+        int8_activations: bool = False,
+    ):
         self.out_features = weight.shape[0]
         self.dtype = dtype
         self.kernel = kernel
         blocks = weight.dtype == torch.uint8
         if blocks and kernel is None:
-            raise RuntimeError("GGUF blocks run only through the CPU linear kernel, which is unavailable here "
-                               "(see the warning above): use --dtype float32, which gives the same results")
+            raise RuntimeError(
+                "GGUF blocks run only through the CPU linear kernel, which is unavailable here "
+                "(see the warning above): use --dtype float32, which gives the same results"
+            )
         if int8_activations and not (blocks and dtype == torch.float32):
             raise ValueError("8-bit activations run on GGUF blocks with fp32 outputs only")
         packer = pack_for_int8 if int8_activations else pack
-        self.packed = None if kernel is None else packer(weight.to(device) if blocks else weight.to(device, dtype))
-        unpacked = lambda: (blocks_to_float(weight) if blocks else weight).to(device, dtype)  # noqa: E731
-        self.onednn = onednn_prepacked(unpacked()) if kernel is not None and dtype == torch.bfloat16 else None
+        self.packed = (
+            None
+            if kernel is None
+            else packer(weight.to(device) if blocks else weight.to(device, dtype))
+        )
+
+        def unpacked():
+            return (blocks_to_float(weight) if blocks else weight).to(device, dtype)
+
+        self.onednn = (
+            onednn_prepacked(unpacked()) if kernel is not None and dtype == torch.bfloat16 else None
+        )
         self.weight = None if kernel is not None else unpacked()  # torch's GEMM
         self.bias = None if bias is None else bias.to(device, torch.float32)
-        self.low_bias = None if bias is None else bias.to(device, dtype)  # for torch's and oneDNN's GEMMs
+        # For torch's and oneDNN's GEMMs.
+        self.low_bias = None if bias is None else bias.to(device, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and (self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
-            out = self.kernel(x if x.dtype == torch.float32 else x.float(), self.packed, self.out_features, self.bias)
+            out = self.kernel(
+                x if x.dtype == torch.float32 else x.float(),
+                self.packed,
+                self.out_features,
+                self.bias,
+            )
             return out if self.dtype == torch.float32 else out.to(self.dtype)
         if self.onednn is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.onednn, self.low_bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(
+                x.to(self.dtype), self.onednn, self.low_bias, "none", [], ""
+            )
         return F.linear(x.to(self.dtype), self.weight, self.low_bias)

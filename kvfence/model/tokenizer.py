@@ -4,6 +4,7 @@ Tokenizers come from Hugging Face `transformers`: built from the GGUF metadata f
 file (then cached on disk, since that conversion takes seconds) or read from a model
 directory.
 """
+
 import hashlib
 import os
 from pathlib import Path
@@ -14,7 +15,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 def _cache_dir(path: Path) -> Path:
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+    ).hexdigest()[:16]
     root = Path(os.environ.get("KVFENCE_CACHE", Path.home() / ".cache" / "kvfence"))
     return root / "tokenizers" / key
 
@@ -44,9 +47,16 @@ class IncrementalDetokenizer:
     `tokenizers`' DecodeStream, one native call a token. A few prompt tokens seed it so that
     tokenizers which drop a leading space decode the first token right."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_ids: list[int],
+        skip_special_tokens: bool = True,
+    ):
         self.backend = tokenizer.backend_tokenizer
-        self.stream = DecodeStream(ids=list(prompt_ids[-5:]), skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(
+            ids=list(prompt_ids[-5:]), skip_special_tokens=skip_special_tokens
+        )
 
     def add(self, token_id: int) -> str:
         return self.stream.step(self.backend, token_id) or ""

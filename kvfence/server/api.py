@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP API."""
+
 import asyncio
 import json
 import logging
 import socket
 import sys
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,18 +14,37 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvfence import sse
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
-from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
-from kvfence.model.tokenizer import apply_chat_template
-from kvfence.server.async_engine import (STREAM_STALL_TIMEOUT_S, AsyncEngine, ClientDisconnected,
-                                         Overloaded, RequestHandle, StreamStalled)
-from kvfence.server.auth import ApiKeys
+from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Share
+from kvfence.model.tokenizer import apply_chat_template
+from kvfence.server.async_engine import (
+    STREAM_STALL_TIMEOUT_S,
+    AsyncEngine,
+    ClientDisconnected,
+    RequestHandle,
+    StreamStalled,
+)
+from kvfence.server.auth import ApiKeys
+from kvfence.server.errors import (
+    APIError,
+    api_error,
+    api_errors,
+    error_response,
+    raise_if_failed,
+    request_failed,
+)
 from kvfence.server.metrics import Metrics
-from kvfence.server.quotas import OverQuota, Quotas
-from kvfence.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                     TokenizeRequest)
+from kvfence.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from kvfence.server.quotas import Quotas
+from kvfence.server.responses import Responses
 
 log = logging.getLogger("kvfence.server")
 MAX_PROMPTS_PER_REQUEST = 64
@@ -35,25 +54,18 @@ METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus te
 UNSENT_BYTES_LIMIT = 16 * 1024
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-        self.headers = headers
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
 def _check_encodable(value, path: str = "") -> None:
     """JSON may carry lone surrogates (\\ud800) that no tokenizer can take."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            raise APIError(400, f"field '{path or 'body'}' is not valid Unicode (lone surrogate)",
-                           param=path or None, code="invalid_encoding") from None
+            raise APIError(
+                400,
+                f"field '{path or 'body'}' is not valid Unicode (lone surrogate)",
+                param=path or None,
+                code="invalid_encoding",
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             _check_encodable(v, f"{path}.{k}" if path else str(k))
@@ -64,14 +76,19 @@ def _check_encodable(value, path: str = "") -> None:
 
 def _is_union_tag(loc_item) -> bool:
     """Pydantic names the union member it tried in an error's location ('str', 'list[int]')."""
-    return isinstance(loc_item, str) and (loc_item in {"str", "int", "float", "bool"} or "[" in loc_item)
+    return isinstance(loc_item, str) and (
+        loc_item in {"str", "int", "float", "bool"} or "[" in loc_item
+    )
 
 
 async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
-        raise APIError(415, f"Content-Type must be application/json, not '{content_type or 'none'}'",
-                       code="unsupported_media_type")
+        raise APIError(
+            415,
+            f"Content-Type must be application/json, not '{content_type or 'none'}'",
+            code="unsupported_media_type",
+        )
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, f"request body over the {max_bytes}-byte limit", code="body_too_large")
@@ -79,7 +96,11 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise APIError(413, f"request body over the {max_bytes}-byte limit", code="body_too_large")
+            raise APIError(
+                413,
+                f"request body over the {max_bytes}-byte limit",
+                code="body_too_large",
+            )
         chunks.append(chunk)
     try:
         data = json.loads(b"".join(chunks))
@@ -93,14 +114,25 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or None
-        raise APIError(400, f"invalid field '{param}': {err['msg']}", param=param, code="invalid_type") from None
+        raise APIError(
+            400,
+            f"invalid field '{param}': {err['msg']}",
+            param=param,
+            code="invalid_type",
+        ) from None
 
 
 class Server:
-    def __init__(self, engine: LLMEngine, api_keys: ApiKeys, served_model_name: str | None = None,
-                 max_pending: int = 256, max_body_bytes: int = 4 * 1024 * 1024,
-                 stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
-                 report_cached_tokens: bool = True):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        api_keys: ApiKeys,
+        served_model_name: str | None = None,
+        max_pending: int = 256,
+        max_body_bytes: int = 4 * 1024 * 1024,
+        stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
+        report_cached_tokens: bool = True,
+    ):
         self.engine = engine
         self.async_engine = AsyncEngine(engine, max_pending, stream_stall_timeout)
         self.api_keys = api_keys
@@ -111,8 +143,9 @@ class Server:
         self.metrics = Metrics(lambda: engine)
         self.tokenizer = engine.tokenizer
         self.quotas = Quotas(api_keys)
-        engine.scheduler.shares = {name: Share(t.weight, t.max_concurrent_requests)
-                                   for name, t in api_keys.tenants.items()}
+        engine.scheduler.shares = {
+            name: Share(t.weight, t.max_concurrent_requests) for name, t in api_keys.tenants.items()
+        }
         engine.on_finish.append(self.metrics.observe_finished)
 
     # --- request handling helpers ---------------------------------------------------------
@@ -120,14 +153,28 @@ class Server:
     def tenant(self, request: Request) -> str:
         tenant = self.api_keys.tenant_for(request.headers.get("authorization"))
         if tenant is None:
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                           code="invalid_api_key")
+            raise APIError(
+                401,
+                "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
         return tenant
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def parse(self, request: Request, model: type[BaseModel]):
+        """(tenant, body) of a request for this server's model; the key is checked first."""
+        tenant = self.tenant(request)
+        body = await parse_body(request, model, self.max_body_bytes)
+        self.check_model(body.model)
+        return tenant, body
 
     async def tokenize_prompts(self, prompt) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -139,25 +186,31 @@ class Server:
         if not prompts:
             raise APIError(400, "the prompt is empty", param="prompt", code="invalid_request")
         if len(prompts) > MAX_PROMPTS_PER_REQUEST:
-            raise APIError(400, f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request", param="prompt")
+            raise APIError(
+                400,
+                f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request",
+                param="prompt",
+            )
         texts = [p for p in prompts if isinstance(p, str)]
         if any(len(t) > self.max_body_bytes for t in texts):
             raise APIError(400, "prompt too long", param="prompt", code="context_length_exceeded")
-        return [await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p) for p in prompts]
+        return [
+            await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p)
+            for p in prompts
+        ]
 
     def start(self, prompts, params, tenant) -> RequestHandle:
         """Submits a request to the engine once its tenant's limits allow it: admission errors
         become 400, a tenant over its limits or an overloaded server 429."""
         prompt_tokens = sum(len(p) for p in prompts)
-        most = prompt_tokens + params.n * sum(params.max_tokens or self.engine.max_model_len - len(p)
-                                              for p in prompts)
-        try:
+        most = prompt_tokens + params.n * sum(
+            params.max_tokens or self.engine.max_model_len - len(p) for p in prompts
+        )
+        with api_errors():
             charge = self.quotas.charge(tenant, len(prompts) * params.n, most)
-        except OverQuota as e:
-            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(e.retry_after)}) from None
         try:
-            handle = self._translate(lambda: self.async_engine.submit(prompts, params, tenant))
+            with api_errors():
+                handle = self.async_engine.submit(prompts, params, tenant)
         except APIError:
             self.quotas.refund(charge, most)
             raise
@@ -168,17 +221,8 @@ class Server:
         """Opens the output stream of one request that a disaggregated worker adds itself. It
         counts toward --max-pending for as long as the engine holds its pages: parked for a
         decode worker's read, or reserved for one in progress."""
-        return self._translate(lambda: self.async_engine.open(1, 1, held=True))
-
-    @staticmethod
-    def _translate(fn):
-        try:
-            return fn()
-        except InvalidRequest as e:
-            raise APIError(400, e.message, param=e.param, code=e.code) from None
-        except Overloaded as e:
-            raise APIError(429, f"server busy: {e}; retry shortly", type="rate_limit_error",
-                           code="too_many_requests", headers={"Retry-After": "1"}) from None
+        with api_errors():
+            return self.async_engine.open(1, 1, held=True)
 
     async def outputs(self, handle: RequestHandle, request: Request):
         """Yields (index, output) until done; stops (aborting the rest) if the client leaves."""
@@ -193,47 +237,15 @@ class Server:
                     return
                 now = time.monotonic()
                 if out.delta_token_ids:
-                    (self.metrics.ttft if first else self.metrics.itl).observe(now - (started if first else last))
+                    (self.metrics.ttft if first else self.metrics.itl).observe(
+                        now - (started if first else last)
+                    )
                     first, last = False, now
                 yield index, out
             self.metrics.e2e.observe(time.monotonic() - started)
         finally:
             watcher.cancel()
             handle.close()
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    def completion_logprobs(self, entries: list[dict], offset: int) -> dict:
-        tokens = [self.token_text(e["token_id"]) for e in entries]
-        offsets, pos = [], offset
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{self.token_text(i): lp for i, lp in e["top"]} for e in entries],
-                "text_offset": offsets}
-
-    def chat_logprobs(self, entries: list[dict]) -> dict:
-        def item(token_id, logprob):
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        return {"content": [{**item(e["token_id"], e["logprob"]), "top_logprobs": [item(i, lp) for i, lp in e["top"]]}
-                            for e in entries]}
-
-    @staticmethod
-    def raise_if_failed(out: RequestOutput) -> None:
-        if out.error:
-            raise APIError(500, out.error, type="internal_error", code="request_failed")
-
-    def usage(self, prompts: list[list[int]], completion_tokens: int, cached: int) -> dict:
-        prompt_tokens = sum(len(p) for p in prompts)
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                 "total_tokens": prompt_tokens + completion_tokens}
-        if self.report_cached_tokens:
-            usage["prompt_tokens_details"] = {"cached_tokens": cached}
-        return usage
 
 
 async def _cancel_on_disconnect(handle: RequestHandle, request: Request) -> None:
@@ -243,13 +255,10 @@ async def _cancel_on_disconnect(handle: RequestHandle, request: Request) -> None
     handle.cancel(ClientDisconnected())
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
 @dataclass
 class Prepared:
     """A parsed, tokenized and checked completion or chat request, ready for an engine."""
+
     body: CompletionRequest | ChatCompletionRequest
     chat: bool
     prompts: list[list[int]]
@@ -258,14 +267,13 @@ class Prepared:
 
 
 async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
-    tenant = s.tenant(request)
-    body = await parse_body(request, ChatCompletionRequest if chat else CompletionRequest, s.max_body_bytes)
-    s.check_model(body.model)
-    s._translate(body.check_supported)
+    tenant, body = await s.parse(request, ChatCompletionRequest if chat else CompletionRequest)
+    with api_errors():
+        body.check_supported()
     if chat:
         try:
             text = apply_chat_template(s.tokenizer, body.conversation())
-        except Exception as e:  # noqa: BLE001 - templates raise their own errors for bad conversations
+        except Exception as e:  # templates raise their own errors for bad conversations
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
         prompts = await s.tokenize_prompts(text)
     else:
@@ -275,37 +283,34 @@ async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
 
 async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Request):
     """The OpenAI response for a running request: one JSON object, or server-sent events."""
-    kind = "chat.completion" if p.chat else "text_completion"
-    rid = f"{'chatcmpl' if p.chat else 'cmpl'}-{uuid.uuid4().hex}"
-    head = {"id": rid, "object": kind, "created": int(time.time()), "model": s.model_name}
     want_logprobs = bool(p.body.logprobs) if p.chat else p.body.logprobs is not None
+    build = Responses(
+        s.tokenizer,
+        s.model_name,
+        p.chat,
+        bool(p.body.stream),
+        want_logprobs,
+        s.report_cached_tokens,
+    )
     if p.body.stream:
         include_usage = bool(p.body.stream_options and p.body.stream_options.include_usage)
-        chunks = _chat_chunks(s, want_logprobs) if p.chat else _completion_chunks(s)
-        if p.chat:
-            head["object"] = "chat.completion.chunk"
-        return StreamingResponse(_stream(s, handle, request, head, p.prompts, include_usage, chunks),
-                                 media_type="text/event-stream")
+        return StreamingResponse(
+            _stream(s, handle, request, build, p.prompts, include_usage),
+            media_type="text/event-stream",
+        )
     finals: dict[int, RequestOutput] = {}
     async for index, out in s.outputs(handle, request):
-        s.raise_if_failed(out)
+        raise_if_failed(out)
         if out.finished:
             finals[index] = out
-    if p.chat:
-        choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": s.chat_logprobs(o.logprobs) if want_logprobs else None,
-                    "finish_reason": o.finish_reason} for i, o in sorted(finals.items())]
-    else:
-        choices = [{"index": i, "text": o.text, "finish_reason": o.finish_reason,
-                    "logprobs": s.completion_logprobs(o.logprobs, 0) if want_logprobs else None}
-                   for i, o in sorted(finals.items())]
-    completion_tokens = sum(len(o.token_ids) for o in finals.values())
-    cached = sum(o.num_cached_tokens for o in finals.values())
-    return {**head, "choices": choices, "usage": s.usage(p.prompts, completion_tokens, cached)}
+    return build.response(p.prompts, finals)
 
 
-def create_app(server_factory: Callable[[], Server], role: str = "unified",
-               serve_metrics: bool = True) -> FastAPI:
+def create_app(
+    server_factory: Callable[[], Server],
+    role: str = "unified",
+    serve_metrics: bool = True,
+) -> FastAPI:
     """The app; `server_factory` loads the model before the first request is accepted, and
     the Server is then `app.state.server`. Prefill and decode workers add their own routes.
     Without `serve_metrics` (metrics on a listener of their own), GET /metrics answers 404."""
@@ -321,26 +326,33 @@ def create_app(server_factory: Callable[[], Server], role: str = "unified",
     def srv(request: Request) -> Server:
         return request.app.state.server
 
-    def error_response(request: Request, err: APIError) -> JSONResponse:
+    def counted(request: Request, err: APIError) -> JSONResponse:
         server = getattr(request.app.state, "server", None)
         if server is not None:
             server.metrics.http_errors.labels(str(err.status), err.code or err.type).inc()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+        return error_response(err)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, err: APIError):
-        return error_response(request, err)
+        return counted(request, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, err: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code, "http_error")
-        return error_response(request, APIError(err.status_code, str(err.detail), code=code))
+        return counted(request, APIError(err.status_code, str(err.detail), code=code))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, err: Exception):
         log.exception("unexpected error")
-        return error_response(request, APIError(500, "internal server error", type="internal_error",
-                                                code="internal_error"))
+        return counted(
+            request,
+            APIError(
+                500,
+                "internal server error",
+                type="internal_error",
+                code="internal_error",
+            ),
+        )
 
     @app.get("/health")
     async def health(request: Request):
@@ -348,6 +360,7 @@ def create_app(server_factory: Callable[[], Server], role: str = "unified",
         return {"status": "ok", "role": role, **({"fault": fault} if fault else {})}
 
     if serve_metrics:
+
         @app.get("/metrics")
         async def metrics(request: Request):
             s = srv(request)  # an admin key also gets the per-tenant series
@@ -358,48 +371,73 @@ def create_app(server_factory: Callable[[], Server], role: str = "unified",
     async def models(request: Request):
         s = srv(request)
         s.tenant(request)
-        return {"object": "list", "data": [{
-            "id": s.model_name, "object": "model", "created": 0, "owned_by": "kvfence",
-            "max_model_len": s.engine.max_model_len, "kv_pool_tokens": s.engine.pool.capacity_tokens}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "kvfence",
+                    "max_model_len": s.engine.max_model_len,
+                    "kv_pool_tokens": s.engine.pool.capacity_tokens,
+                }
+            ],
+        }
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
         s = srv(request)
-        s.tenant(request)
-        body = await parse_body(request, TokenizeRequest, s.max_body_bytes)
-        s.check_model(body.model)
+        _, body = await s.parse(request, TokenizeRequest)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of 'prompt' or 'messages'", param="prompt")
-        text = body.prompt if body.prompt is not None else apply_chat_template(
-            s.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
+        text = (
+            body.prompt
+            if body.prompt is not None
+            else apply_chat_template(
+                s.tokenizer,
+                [{"role": m.role, "content": m.text()} for m in body.messages],
+            )
+        )
         tokens = await asyncio.to_thread(s.engine.tokenize, text)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": s.engine.max_model_len}
+        return {
+            "tokens": tokens,
+            "count": len(tokens),
+            "max_model_len": s.engine.max_model_len,
+        }
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         s = srv(request)
-        s.tenant(request)
-        body = await parse_body(request, DetokenizeRequest, s.max_body_bytes)
-        s.check_model(body.model)
+        _, body = await s.parse(request, DetokenizeRequest)
         vocab = s.engine.model_config.vocab_size
         if not all(0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": s.tokenizer.decode(body.tokens)}
 
     if role == "unified":
-        @app.post("/v1/completions")
-        async def completions(request: Request):
+
+        async def complete(request: Request, chat: bool):
             s = srv(request)
-            p = await prepare(s, request, chat=False)
+            p = await prepare(s, request, chat)
             return await respond(s, p, s.start(p.prompts, p.params, p.tenant), request)
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request):
-            s = srv(request)
-            p = await prepare(s, request, chat=True)
-            return await respond(s, p, s.start(p.prompts, p.params, p.tenant), request)
+        add_completion_routes(app, "", complete)
 
     return app
+
+
+def add_completion_routes(app: FastAPI, prefix: str, handler) -> None:
+    """POST {prefix}/v1/completions and {prefix}/v1/chat/completions, answered by
+    `await handler(request, chat)`."""
+
+    @app.post(f"{prefix}/v1/completions")
+    async def completions(request: Request):
+        return await handler(request, chat=False)
+
+    @app.post(f"{prefix}/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handler(request, chat=True)
 
 
 def serve(app: FastAPI, host: str, port: int, **uvicorn_options) -> None:
@@ -421,53 +459,23 @@ def serve(app: FastAPI, host: str, port: int, **uvicorn_options) -> None:
         sys.exit(STARTUP_FAILURE)
 
 
-async def _stream(s: Server, handle, request, head, prompts, include_usage, chunk_for):
+async def _stream(s: Server, handle, request, build: Responses, prompts, include_usage):
     """Server-sent events: one chunk per output, an error event if a request fails or its
     client stops reading, usage, [DONE]."""
     completion_tokens, cached = 0, {}
     try:
         async for index, out in s.outputs(handle, request):
             if out.error:
-                failed = APIError(500, out.error, type="internal_error", code="request_failed")
-                yield _sse(failed.body())
+                yield sse.event(request_failed(out.error).body())
                 handle.close()
                 break
             completion_tokens += len(out.delta_token_ids)
             cached[index] = out.num_cached_tokens
-            for choice in chunk_for(index, out):
-                yield _sse({**head, "choices": [choice]})
+            for chunk in build.chunks(index, out):
+                yield sse.event(chunk)
         else:
             if include_usage:
-                usage = s.usage(prompts, completion_tokens, sum(cached.values()))
-                yield _sse({**head, "choices": [], "usage": usage})
+                yield sse.event(build.usage_chunk(prompts, completion_tokens, sum(cached.values())))
     except StreamStalled as e:  # read only by a client that comes back to its stream
-        yield _sse(APIError(408, str(e), type="timeout_error", code="stream_stalled").body())
-    yield "data: [DONE]\n\n"
-
-
-def _completion_chunks(s):
-    def chunks(index, out):
-        logprobs = s.completion_logprobs(out.delta_logprobs, 0) if out.delta_logprobs else None
-        if out.delta_text or out.finished or logprobs:
-            yield {"index": index, "text": out.delta_text, "logprobs": logprobs,
-                   "finish_reason": out.finish_reason if out.finished else None}
-
-    return chunks
-
-
-def _chat_chunks(s, want_logprobs):
-    opened: set[int] = set()
-
-    def chunks(index, out):
-        if index not in opened:
-            opened.add(index)
-            yield {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                   "finish_reason": None}
-        wanted = want_logprobs and out.delta_logprobs
-        logprobs = s.chat_logprobs(out.delta_logprobs) if wanted else None
-        if out.delta_text or logprobs:
-            yield {"index": index, "delta": {"content": out.delta_text}, "logprobs": logprobs, "finish_reason": None}
-        if out.finished:
-            yield {"index": index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
-
-    return chunks
+        yield sse.event(api_error(e).body())
+    yield sse.DONE

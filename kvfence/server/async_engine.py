@@ -3,6 +3,7 @@
 Torch releases the GIL inside its kernels, so HTTP handling on the event loop and the
 engine's steps overlap; the engine only ever runs on this one thread.
 """
+
 import asyncio
 import logging
 import queue
@@ -38,8 +39,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_pending: int,
-                 stall_timeout: float = STREAM_STALL_TIMEOUT_S):
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_pending: int,
+        stall_timeout: float = STREAM_STALL_TIMEOUT_S,
+    ):
         self.engine = engine
         self.max_pending = max_pending  # sequences (prompts x n) in flight
         self.stall_timeout = stall_timeout
@@ -51,7 +56,9 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, tenant: str) -> "RequestHandle":
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, tenant: str
+    ) -> "RequestHandle":
         """Admits the prompts or raises (InvalidRequest, Overloaded) before anything is queued."""
         for prompt in prompts:
             self.engine.validate(prompt, params)
@@ -68,11 +75,15 @@ class AsyncEngine:
         if sequences > self.max_pending:  # never fits: retrying would not help
             raise InvalidRequest(
                 f"the request asks for {sequences} sequences ({num_prompts} prompts x n={n}); this "
-                f"server runs at most {self.max_pending} at once", "n", "too_many_sequences")
+                f"server runs at most {self.max_pending} at once",
+                "n",
+                "too_many_sequences",
+            )
         with self._lock:
             if self._in_flight + sequences > self.max_pending:
                 raise Overloaded(
-                    f"{self._in_flight} sequences in flight, the limit is {self.max_pending}")
+                    f"{self._in_flight} sequences in flight, the limit is {self.max_pending}"
+                )
             self._in_flight += sequences
         ids = [uuid.uuid4().hex for _ in range(num_prompts)]
         handle = RequestHandle(self, ids, sequences, self.stall_timeout, held)
@@ -97,7 +108,9 @@ class AsyncEngine:
                 self._inbox.put(("abort", rid))
         with self._lock:
             if handle.held:
-                self._held.update((rid, handle.num_sequences // len(handle.ids)) for rid in handle.ids)
+                self._held.update(
+                    (rid, handle.num_sequences // len(handle.ids)) for rid in handle.ids
+                )
             else:
                 self._in_flight -= handle.num_sequences
         if handle.held:
@@ -107,7 +120,7 @@ class AsyncEngine:
         """Stops counting held requests the engine has let go of (engine thread)."""
         e = self.engine
         with self._lock:
-            gone = [r for r in self._held if r not in e.requests and r not in e.parked and r not in e.receiving]
+            gone = [r for r in self._held if not e.holds(r)]
             for rid in gone:
                 self._in_flight -= self._held.pop(rid)
 
@@ -124,7 +137,7 @@ class AsyncEngine:
             future, fn = rid, rest[0]
             try:
                 result, error = fn(self.engine), None
-            except Exception as e:  # noqa: BLE001 - handed to the awaiting coroutine
+            except Exception as e:  # handed to the awaiting coroutine
                 result, error = None, e
             if self._held:  # what fn freed no longer counts by the time its caller hears back
                 self._settle_held()
@@ -139,7 +152,7 @@ class AsyncEngine:
         prompt, params, tenant = rest
         try:
             self.engine.add_request(prompt, params, request_id=rid, tenant=tenant)
-        except Exception as e:  # noqa: BLE001 - the error goes back to the waiting client
+        except Exception as e:  # the error goes back to the waiting client
             self._deliver(rid, e)
 
     def _loop(self) -> None:
@@ -150,14 +163,13 @@ class AsyncEngine:
                         self._handle(self._inbox.get(timeout=0.5))
                     except queue.Empty:
                         pass
-                self.engine.expire_parked()
                 while not self._inbox.empty():
                     self._handle(self._inbox.get_nowait())
                 for out in self.engine.step():
                     self._deliver(out.request_id, out)
                 if self._held:
                     self._settle_held()
-            except Exception:  # noqa: BLE001 - fail every live request loudly, keep serving
+            except Exception:  # fail every live request loudly, keep serving
                 log.exception("engine step failed; failing the requests in flight")
                 for rid in list(self.engine.requests):
                     for out in self.engine.abort(rid):
@@ -180,8 +192,14 @@ class RequestHandle:
     arrive before the reader took the previous one are merged, so a reader that falls behind
     holds at most one pending output per choice, however long it does not read."""
 
-    def __init__(self, engine: AsyncEngine, ids: list[str], num_sequences: int,
-                 stall_timeout: float, held: bool = False):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        ids: list[str],
+        num_sequences: int,
+        stall_timeout: float,
+        held: bool = False,
+    ):
         self.engine = engine
         self.held = held
         self.generated = 0  # tokens delivered, read or not
@@ -210,10 +228,17 @@ class RequestHandle:
         if self._unread_since is None:
             self._unread_since = now
         elif now - self._unread_since > self.stall_timeout:
-            log.warning("request %s: the client read nothing for %g s; aborting it", self.ids[0],
-                        self.stall_timeout)
-            self.cancel(StreamStalled(f"the client stopped reading the stream for over "
-                                      f"{self.stall_timeout:g} s, so the request was aborted"))
+            log.warning(
+                "request %s: the client read nothing for %g s; aborting it",
+                self.ids[0],
+                self.stall_timeout,
+            )
+            self.cancel(
+                StreamStalled(
+                    f"the client stopped reading the stream for over "
+                    f"{self.stall_timeout:g} s, so the request was aborted"
+                )
+            )
             return
         self._ready.set()
 

@@ -8,6 +8,7 @@ its share and limits (every field optional):
 
 Limits belong to the tenant, so keys of one tenant share them; `admin` belongs to the key.
 """
+
 import hashlib
 import hmac
 import json
@@ -39,11 +40,14 @@ class KeyEntry(BaseModel):
     admin: bool = False
 
     def limits(self) -> Tenant:
-        return Tenant(name=self.tenant, **self.model_dump(exclude={"tenant", "admin"}, exclude_unset=True))
+        return Tenant(
+            name=self.tenant,
+            **self.model_dump(exclude={"tenant", "admin"}, exclude_unset=True),
+        )
 
 
 def _line_of(text: str, key: str) -> int:
-    return text[:max(text.find(json.dumps(key)), 0)].count("\n") + 1
+    return text[: max(text.find(json.dumps(key)), 0)].count("\n") + 1
 
 
 def _shown(key: str) -> str:
@@ -52,13 +56,17 @@ def _shown(key: str) -> str:
 
 class ApiKeys:
     def __init__(self, keys: dict[str, str | KeyEntry] | None = None):
-        entries = {k: KeyEntry(tenant=v) if isinstance(v, str) else v for k, v in (keys or {}).items()}
+        entries = {
+            k: KeyEntry(tenant=v) if isinstance(v, str) else v for k, v in (keys or {}).items()
+        }
         self.tenants: dict[str, Tenant] = {}
         for entry in entries.values():
             if entry.model_fields_set - {"tenant", "admin"} or entry.tenant not in self.tenants:
                 self.tenants[entry.tenant] = entry.limits()
         # Compare digests, so every comparison has the same length whatever the key.
-        self._keys = [(hashlib.sha256(k.encode()).digest(), e.tenant, e.admin) for k, e in entries.items()]
+        self._keys = [
+            (hashlib.sha256(k.encode()).digest(), e.tenant, e.admin) for k, e in entries.items()
+        ]
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ApiKeys":
@@ -67,14 +75,24 @@ class ApiKeys:
             data = json.loads(text)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read API keys from {path}: {e}") from e
-        if not isinstance(data, dict) or not data or not all(isinstance(k, str) and k for k in data):
-            raise ValueError(f"{path} must be a non-empty JSON object mapping each key to a tenant name "
-                             "or to an object with a \"tenant\" field")
+        if (
+            not isinstance(data, dict)
+            or not data
+            or not all(isinstance(k, str) and k for k in data)
+        ):
+            raise ValueError(
+                f"{path} must be a non-empty JSON object mapping each key to a tenant name "
+                'or to an object with a "tenant" field'
+            )
         entries: dict[str, KeyEntry] = {}
         for key, value in data.items():
             where = f"{path} line {_line_of(text, key)}, key {_shown(key)}"
             try:
-                entries[key] = KeyEntry(tenant=value) if isinstance(value, str) else KeyEntry.model_validate(value)
+                entries[key] = (
+                    KeyEntry(tenant=value)
+                    if isinstance(value, str)
+                    else KeyEntry.model_validate(value)
+                )
             except ValidationError as e:
                 err = e.errors()[0]
                 field = ".".join(str(p) for p in err["loc"]) or "value"
@@ -84,9 +102,11 @@ class ApiKeys:
             if entry.model_fields_set - {"tenant", "admin"}:
                 other = limited.setdefault(entry.tenant, (key, entry.limits()))
                 if other[1] != entry.limits():
-                    raise ValueError(f"{path} line {_line_of(text, key)}: tenant '{entry.tenant}' is given "
-                                     f"other limits than at line {_line_of(text, other[0])}; keys of one "
-                                     "tenant share its limits, so give them once")
+                    raise ValueError(
+                        f"{path} line {_line_of(text, key)}: tenant '{entry.tenant}' is given "
+                        f"other limits than at line {_line_of(text, other[0])}; keys of one "
+                        "tenant share its limits, so give them once"
+                    )
         return cls(entries)
 
     @property

@@ -1,4 +1,5 @@
 """OpenAI request bodies, strictly typed, and their translation into SamplingParams."""
+
 import types
 from typing import Annotated, Literal, get_args
 
@@ -20,8 +21,11 @@ class _Body(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if v is not None or k not in fields or types.NoneType in get_args(fields[k].annotation)}
+        return {
+            k: v
+            for k, v in data.items()
+            if v is not None or k not in fields or types.NoneType in get_args(fields[k].annotation)
+        }
 
 
 class StreamOptions(_Body):
@@ -51,19 +55,29 @@ class _SamplingFields(_Body):
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens,
+            n=self.n,
+            max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k, seed=self.seed, stop=stop,
-            stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            top_k=-1 if self.top_k is None else self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            min_p=self.min_p or 0.0, logit_bias=dict(self.logit_bias or {}), logprobs=logprobs)
+            min_p=self.min_p or 0.0,
+            logit_bias=dict(self.logit_bias or {}),
+            logprobs=logprobs,
+        )
 
     def check_supported(self) -> None:
         """Fields this server knows but does not implement fail loudly instead of being ignored."""
         if self.stream_options is not None and not self.stream:
-            raise InvalidRequest("stream_options is only allowed with stream: true", "stream_options")
+            raise InvalidRequest(
+                "stream_options is only allowed with stream: true", "stream_options"
+            )
 
 
 class CompletionRequest(_SamplingFields):
@@ -81,7 +95,9 @@ class CompletionRequest(_SamplingFields):
         if self.suffix:
             raise InvalidRequest("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
-            raise InvalidRequest("best_of is not supported; ask for n completions instead", "best_of")
+            raise InvalidRequest(
+                "best_of is not supported; ask for n completions instead", "best_of"
+            )
 
     def sampling_params(self) -> SamplingParams:
         return self._params(self.max_tokens, self.logprobs)
@@ -117,19 +133,31 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         if (self.tools or self.functions) and self.tool_choice != "none":
-            raise InvalidRequest("tool calling is not supported; send no tools, or tool_choice: \"none\"",
-                                 "tools" if self.tools else "functions")
+            raise InvalidRequest(
+                'tool calling is not supported; send no tools, or tool_choice: "none"',
+                "tools" if self.tools else "functions",
+            )
         kind = (self.response_format or {}).get("type", "text")
         if kind != "text":
-            raise InvalidRequest(f"response_format '{kind}' is not supported; only 'text' is", "response_format")
+            raise InvalidRequest(
+                f"response_format '{kind}' is not supported; only 'text' is",
+                "response_format",
+            )
 
     def sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        max_tokens = (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self._params(max_tokens, logprobs)
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for m in self.messages
+        ]
 
 
 class TokenizeRequest(_Body):

@@ -2,6 +2,7 @@
 prompt + output tokens in a sliding minute. A request is charged its prompt plus n times its
 max_tokens when admitted, and refunded what it did not generate when it ends, so a tenant
 is refused exactly when a request could take it over its limit."""
+
 import math
 import threading
 import time
@@ -37,22 +38,30 @@ class Quotas:
     def charge(self, tenant: str, sequences: int, tokens: int) -> Charge:
         """Takes `sequences` and `tokens` from the tenant's limits, or raises OverQuota."""
         limits = self.keys.limits(tenant)
-        most = None  # the engine runs max_concurrent_requests at once; max_queued_requests more wait
+        most = (
+            None  # the engine runs max_concurrent_requests at once; max_queued_requests more wait
+        )
         if limits.max_concurrent_requests is not None or limits.max_queued_requests is not None:
             most = (limits.max_concurrent_requests or 0) + (limits.max_queued_requests or 0)
         with self._lock:
             if most is not None and self._sequences[tenant] + sequences > most:
-                raise OverQuota(f"tenant '{tenant}' has {self._sequences[tenant]} sequences in flight; this "
-                                f"request adds {sequences} and the limit is {most} (max_concurrent_requests "
-                                "+ max_queued_requests)", 1)
+                raise OverQuota(
+                    f"tenant '{tenant}' has {self._sequences[tenant]} sequences in flight; this "
+                    f"request adds {sequences} and the limit is {most} (max_concurrent_requests "
+                    "+ max_queued_requests)",
+                    1,
+                )
             entry = [self.clock(), tokens]
             if limits.max_tokens_per_minute is not None:
                 window = self._expire(tenant)
                 used = sum(t for _, t in window)
                 if used + tokens > limits.max_tokens_per_minute:
-                    raise OverQuota(f"tenant '{tenant}' has used {used} of its {limits.max_tokens_per_minute} "
-                                    f"tokens per minute; this request may take {tokens} (prompt + n x "
-                                    "max_tokens)", self._wait_for(window, used + tokens - limits.max_tokens_per_minute))
+                    raise OverQuota(
+                        f"tenant '{tenant}' has used {used} of its {limits.max_tokens_per_minute} "
+                        f"tokens per minute; this request may take {tokens} (prompt + n x "
+                        "max_tokens)",
+                        self._wait_for(window, used + tokens - limits.max_tokens_per_minute),
+                    )
                 window.append(entry)
             self._sequences[tenant] += sequences
         return Charge(tenant, sequences, entry)

@@ -1,7 +1,7 @@
 // The element-wise steps between the matmuls (residual add + RMSNorm, SiLU x up, RoPE + the
 // KV write) and the greedy pick after the last one, fused so that each reads its rows once:
-// PyTorch runs them as several ops, each a pass over memory with its own overhead, and at
-// a batch of 512 rows they cost as much as attention. Rows are independent (one thread
+// PyTorch runs them as several ops, each a pass over memory with its own overhead, which
+// adds up to a large part of a step at large batches. Rows are independent (one thread
 // computes a whole row, the same way at any batch size), so batch invariance holds.
 // Activations are fp32 or bf16 (rounded to nearest even), the KV pool fp32, bf16 or fp8; math
 // is fp32.
@@ -89,8 +89,8 @@ void rope_rows(const In* qkv, const float* cos, const float* sin, Cache* k_cache
 void round_to_bf16(torch::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous fp32");
   float* p = x.data_ptr<float>();
-  // Over [begin, end) the loop vectorizes (re-reading x.numel() each step kept it scalar: 2x
-  // torch's two copies at 64 rows, against 0.2x now).
+  // Over [begin, end) the loop vectorizes (a bound re-read from x.numel() at each step kept
+  // it scalar).
   at::parallel_for(0, x.numel(), 16384, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       at::BFloat16 rounded;
@@ -189,8 +189,8 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
 }
 
 // logits [M, V] fp32 -> int64 [M]: each row's first maximum, as torch.argmax picks it (which
-// tracks indices in scalar code: 3-6 ms for 64 rows of this vocabulary, a tenth of a decode
-// step). Sixteen lanes each keep their own maximum and its first index; then the lanes meet.
+// tracks indices in scalar code, slow over a vocabulary of tens of thousands). Sixteen lanes
+// each keep their own maximum and its first index; then the lanes meet.
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
   TORCH_CHECK(logits.device().is_cpu() && logits.dim() == 2 && logits.is_contiguous() &&
                   logits.scalar_type() == torch::kFloat32 && logits.size(1) > 0 && logits.size(1) < (1LL << 31),
@@ -243,8 +243,8 @@ Fn function_of(const py::capsule& capsule, const char* name) {
 // their own modules (built with other flags) and are reached through the function
 // pointers they export. Built once per model with its weights: `layers` holds 7 tensors per
 // layer (attn_norm, packed qkv, qkv bias (empty: none), packed o, ffn_norm, packed gate_up,
-// packed down), `out_features` the four linear widths. (Handing the 210 tensors of the
-// default model over from Python at every step cost about 0.1 ms, 3% of a lone request's.)
+// packed down), `out_features` the four linear widths. (Bound once, so that the tensors are
+// not converted and handed over from Python at every step.)
 class DecodeLayers {
  public:
   DecodeLayers(const py::capsule& linear_fn, const py::capsule& attention_fn, std::vector<torch::Tensor> layers,
@@ -272,7 +272,8 @@ class DecodeLayers {
       auto q = rope_write_kv(linear_(h, w[1], out_features_[0], qkv_bias), cos, sin, k_cache, v_cache, slots,
                              num_heads_);
       auto attn = attention_(q, k_cache, v_cache, block_tables, lengths, page_size, scale_);
-      if (k_cache.scalar_type() == torch::kBFloat16) round_to_bf16(attn);  // the Python path hands the pool's dtype on
+      // As the Python path, which hands the attention output on in the pool's dtype.
+      if (k_cache.scalar_type() == torch::kBFloat16) round_to_bf16(attn);
       h = add_rms_norm(x, linear_(attn.view({B, -1}), w[3], out_features_[1], none), w[4], eps_, torch::kFloat32);
       delta = linear_(silu_mul(linear_(h, w[5], out_features_[2], none)), w[6], out_features_[3], none);
     }

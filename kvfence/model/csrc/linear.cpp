@@ -14,9 +14,9 @@
 // rows, whichever tile it falls in and whatever the vector width (AVX-512 or AVX2): a row
 // comes out bit-identical alone and in a batch of 64, on either kind of CPU, and blocks give
 // the same bits as their fp32 values. (MKL picks its kernel by row count, which breaks that
-// below 4 rows.) At one row the kernel streams the weights once: fp32 and 8-bit weights at
-// memory speed (software prefetch a few KB ahead took fp32 from about half the measured read
-// bandwidth to 80-90% here); 4-bit blocks are bound by the instructions that decode them
+// below 4 rows.) At one row the kernel streams the weights once: fp32 and 8-bit weights near
+// memory speed, with a software prefetch a few KB ahead (the hardware prefetcher alone leaves
+// the stream waiting on memory); 4-bit blocks are bound by the instructions that decode them
 // instead. Built without -ffast-math so the sums keep their order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -93,11 +93,11 @@ constexpr int64_t kPanel = 32;               // weight rows per panel
 constexpr int kPanelVecs = kPanel / kWidth;   // 2 (AVX-512) or 4 (AVX2)
 // Tiles of up to kWideRows rows span the whole panel; taller ones span 2 vectors of it, so
 // that their accumulators fit the registers. On AVX2, spanning the panel at 1-3 rows gives 4
-// independent chains of multiply-adds to overlap, not 2 (each waits on the last): 1.2-1.4x
-// at one row here.
+// independent chains of multiply-adds to overlap, not 2 (each waits on the last), which hides
+// the multiply-adds' latency when there are too few rows to fill the pipes.
 constexpr int kWideRows = kPanelVecs == 2 ? kRows : 3;
 constexpr int64_t kBlock = 32;                // k per block of codes
-constexpr int64_t kAhead = 4096;              // bytes of weights prefetched ahead of the ones being read
+constexpr int64_t kAhead = 4096;              // prefetch distance, in bytes of weights
 
 // Asks for the cache lines of [p + kAhead, p + kAhead + bytes): prefetches never fault, so
 // running past the end of the weights is harmless.
@@ -233,14 +233,14 @@ void run(const float* x, const W* w, int64_t panel_size, const float* bias, floa
     thread_local std::vector<float> decoded;  // kept between calls: no allocation per layer
     for (int64_t p = p0; p < p1; ++p) {
       auto tiles = [&](const auto* panel) {
-        for (int64_t m = 0; m < M; m += kRows)  // the panel stays in cache while every row tile passes
+        for (int64_t m = 0; m < M; m += kRows)  // the panel stays in cache for every row tile
           panel_tile(static_cast<int>(std::min<int64_t>(kRows, M - m)), x + m * K, panel, bias, out + m * N, K, N,
                      p * kPanel);
       };
       if constexpr (is_blocks<W>) {
         if (M > kRows) {  // decode once, not once per row tile: same weights, same bits
-          // Aligned to cache lines, as torch's tensors are: vector loads that straddle two
-          // lines cost the tiles about 15% here.
+          // Aligned to cache lines, as torch's tensors are: a vector load that straddles two
+          // lines takes two cache accesses, and the tiles make a great many of them.
           decoded.resize(K * kPanel + 16);
           float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(decoded.data()) + 63) & ~uintptr_t{63});
           decode_panel(w + p * panel_size, panel, K);
@@ -258,10 +258,8 @@ void run(const float* x, const W* w, int64_t panel_size, const float* bias, floa
 // Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127),
 // and a block's dot product is computed on integers: x . w ~ d (s sum(a c) + o sum(a)) for
 // w = s c + o: a vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
-// need no conversion to floats. Measured against the exact path above on Zen 5: 2.2-3x the
-// rate on the layers' 4-bit shapes at 16-256 rows (about 1000 GOP/s at 64 rows), 2.8-3.2x on
-// the 8-bit output layer at 16-64 rows, 2.4-4.4x at one row with the weights in cache (Zen 3
-// and 4, with 256-bit vectors: 1.5-2.5x, 1.1-1.4x and 1.7-3.2x). Results are not the fp32
+// need no conversion to floats, so it outruns the exact path above, most where 512-bit VNNI
+// sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
 // depend on order, and each output's blocks are added in one order, so every CPU gives the
 // same bits (AVX-512 VNNI sums the codes in fewer instructions, 16 columns at once). Packed
@@ -294,7 +292,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, in
       const float top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
       const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
       __m256i c[4];
-      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));  // nearest, ties to even
+      // Rounded to nearest, ties to even.
+      for (int i = 0; i < 4; ++i) c[i] = _mm256_cvtps_epi32(_mm256_mul_ps(f[i], inv));
       const __m256i sum8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum8), _mm256_extracti128_si256(sum8, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
@@ -318,9 +317,9 @@ struct QuantizedRows {
 };
 
 // The integer kernel's vectors: with AVX-512 VNNI (and BW), 16 columns of a panel in a 512-bit
-// register, else 8 in a 256-bit one: 1.6-2x the rate of 256-bit VNNI from 4 rows on, 1.1-1.4x
-// at one row, on Zen 5, whose 512-bit units are full width. Each column's lane computes the
-// same integers and float steps either way, so the same bits.
+// register, else 8 in a 256-bit one: twice the products per instruction, which pays where the
+// CPU's 512-bit units are full width. Each column's lane computes the same integers and float
+// steps either way, so the same bits.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 using IVec = __m512i;
 using FVec = __m512;
@@ -380,7 +379,8 @@ inline IVec nibble_sums(IVec sums) { return sums; }
 #else
 constexpr bool kUnsignedRows = false;
 inline __m256i pair_sums(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
-inline IVec add_products(IVec sums, IVec u, IVec s) {  // nibbles: 16-bit sums, at most 8 x 2 x 15 x 127
+// For the nibbles: 16-bit sums, at most 8 x 2 x 15 x 127.
+inline IVec add_products(IVec sums, IVec u, IVec s) {
   return _mm256_add_epi16(sums, _mm256_maddubs_epi16(u, s));
 }
 inline IVec nibble_sums(IVec sums) { return pair_sums(sums); }
@@ -406,8 +406,8 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) dot[i][v] = izero();
     if constexpr (kNibbles) {
-      // Unrolled, GCC computes every product of the block before summing them and spills
-      // them to the stack: 1.2x slower from 2 rows on, here.
+      // Kept rolled: unrolled, GCC computes every product of the block before summing them
+      // and spills them to the stack.
 #pragma GCC unroll 1
       for (int h = 0; h < 4; ++h) {
         IVec lo[NV], hi[NV];
@@ -475,8 +475,8 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
 }
 
 // Tiles of 4 rows and 2 vectors of columns: 8 sums and as many accumulators, 4 vectors of
-// codes and 2 of a row's codes, in the 16 registers of AVX2 (the 32 of AVX-512 fit 6 rows,
-// but spilled: 4 rows ran 1.05-1.15x faster on Zen 5, 1.4x on the output layer at 64 rows).
+// codes and 2 of a row's codes, in the 16 registers of AVX2 (6 rows would fit the 32 of
+// AVX-512 on paper, but GCC spills them to the stack, so 4 rows there too).
 constexpr int kIntRows = 4;
 constexpr int kTileVecs = 2;
 
@@ -534,8 +534,8 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
                     (packed.size(2) == kNibbleBlock || packed.size(2) == kByteBlock),
                 "weights: [N/32, K/32, 640 or 1088] (blocks for 8-bit activations) for this K");
     if (M == 0) return out;
-    // The caller's thread keeps these between calls: a layer's call costs a few microseconds
-    // at one row, and allocating them was a sizable part of that.
+    // The caller's thread keeps these between calls: at one row a layer's call is so short
+    // that allocating them at every call would be a large part of it.
     thread_local std::vector<int8_t> codes;
     thread_local std::vector<float> scales;
     codes.resize(M * K);

@@ -6,7 +6,7 @@
 // any read. The pool holds fp32, bf16 or fp8 (e4m3); the math is fp32 every way. Built with
 // -ffast-math so that exp and the reductions vectorize. With AVX-512 and 64-dim heads, the
 // query heads' sums stay in registers across the context and dot products are summed 16 at
-// a time: 1.3-1.5x at batch 64 on Zen 4 (the compiler's own loops kept them in memory).
+// a time, where the compiler's own loops kept the sums in memory.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -21,8 +21,7 @@
 namespace {
 
 // The pages lie anywhere in the pool: while one page is read, the one two pages on is
-// fetched (one page on came too late from memory: 1.2-1.3x at batch 64 here, 2x for a lone
-// request).
+// fetched (a page fetched only one page ahead has not arrived from memory when it is read).
 constexpr int64_t kPagesAhead = 2;
 
 struct Shape {
@@ -121,9 +120,9 @@ void weigh_values(const float* w, int64_t len, ForEachSlot&& for_each_slot, cons
 #endif
 
 // One KV head of one request: q and out are the [G, D] query heads that share it; its slots
-// are read through `pages`. T is the pool's element (float, at::BFloat16, at::Float8_e4m3fn); kD is the head
-// dimension fixed at compile time (the loops over it then vectorize without remainders), or 0
-// to take s.dim at run time.
+// are read through `pages`. T is the pool's element (float, at::BFloat16, at::Float8_e4m3fn);
+// kD is the head dimension fixed at compile time (the loops over it then vectorize without
+// remainders), or 0 to take s.dim at run time.
 template <typename T, int kD>
 void attend(const float* q, const T* k_cache, const T* v_cache, int64_t kv_head, const int64_t* pages, int64_t len,
             const Shape& s, float scale, float* out, std::vector<float>& scores) {
@@ -201,9 +200,9 @@ void attend(const float* q, const T* k_cache, const T* v_cache, int64_t kv_head,
 
 // Runs every (request, KV head) of the batch, each whole on one thread, so that a result
 // depends on neither the batch nor the thread count. The threads split the batch's positions
-// times its KV heads, not its requests: lengths in a decode batch vary several-fold, an even
-// split of requests left one thread about 10% more to read, and a lone request still gets
-// more than one thread. A task goes to the thread whose share holds its middle position.
+// times its KV heads, not its requests: lengths in a decode batch vary several-fold, so an
+// even split of requests leaves some threads more to read than others, and a lone request
+// still gets more than one thread. A task goes to the thread whose share holds its middle position.
 template <typename T>
 void attend_all(const float* q, const T* k_cache, const T* v_cache, const int64_t* tables, const int64_t* lens,
                 int64_t B, int64_t P, const Shape& s, float scale, float* out) {

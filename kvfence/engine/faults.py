@@ -1,0 +1,172 @@
+"""TEST ONLY: faults injected on purpose, each replacing a live part at construction.
+
+`legacy-reject-path` re-creates the 2026 KV leak. The legacy engine turned a prompt larger
+than the KV pool into a one-token placeholder, marked it rejected, and then let it through
+because its admission queue asked "is it finished?" instead of "is it terminal?". The
+placeholder kept the pages reserved for the whole prompt and decoding read them as if they
+held this prompt's KV; they held stale KV of earlier requests. In disaggregated mode the
+prefill side shipped one token of KV and the decode side decoded over its whole reservation.
+
+`truncated-transfer` makes a prefill worker ship less KV than its manifest promises.
+
+Nothing here runs unless the fault is injected, which the configuration allows only with
+KVFENCE_ALLOW_FAULTS=1; it exists so tests can show that the sentinel stops each fault and
+that `kvfence audit` detects it when the sentinel is off.
+"""
+
+import logging
+
+from kvfence.engine.admission import Admission
+from kvfence.engine.remote_kv import RemoteKV
+from kvfence.engine.request import Request, RequestState
+from kvfence.engine.sampling_params import SamplingParams
+
+LEGACY_REJECT_PATH = "legacy-reject-path"
+TRUNCATED_TRANSFER = "truncated-transfer"
+LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
+
+log = logging.getLogger("kvfence.fault")
+
+
+def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV]]:
+    """The admission and remote-KV classes an engine is built with."""
+    if fault == LEGACY_REJECT_PATH:
+        log.warning(
+            "!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token "
+            "placeholders that decode over stale KV pages of other requests. NEVER run this "
+            "outside tests. !!!"
+        )
+        log.warning(
+            "!!! FAULT INJECTED: the KV pool may be smaller than max_model_len; the start-up "
+            "check is skipped !!!"
+        )
+        return LegacyAdmission, LegacyRemoteKV
+    if fault:
+        log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", fault)
+    return Admission, RemoteKV
+
+
+def transfer_class(base: type, fault: str | None) -> type:
+    """The KV transfer class a worker is built with (disagg/transfer.py's KVTransfer)."""
+    if fault == TRUNCATED_TRANSFER:
+        return type("TruncatedTransfer", (TruncatedTransfer, base), {})
+    if fault == LEGACY_REJECT_PATH:
+        return type("UncheckedTransfer", (UncheckedTransfer, base), {})
+    return base
+
+
+class LegacyAdmission(Admission):
+    def oversized(self, prompt_ids: list[int]) -> bool:
+        """Fits the advertised context but not the pool: the case the legacy path mishandled."""
+        allocator = self.engine.allocator
+        return (
+            len(prompt_ids) < self.engine.max_model_len
+            and allocator.pages_for(len(prompt_ids) + 1) > allocator.num_pages
+        )
+
+    def check(self, prompt_ids, params, kv_tokens=None) -> int:
+        if self.oversized(prompt_ids):
+            return 1  # let through, to become a placeholder
+        return super().check(prompt_ids, params, kv_tokens)
+
+    def requests(self, prompt_ids, params, request_id, tenant) -> list[Request]:
+        if not self.oversized(prompt_ids):
+            return super().requests(prompt_ids, params, request_id, tenant)
+        engine, allocator = self.engine, self.engine.allocator
+        ps = allocator.page_size
+        if engine.prefix_cache:  # the legacy engine took every page it could get
+            engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
+        max_tokens = min(params.max_tokens or 16, 64)
+        claimed = max(2, allocator.num_free * ps - max_tokens)  # what the pages can pretend to hold
+        req = self.sequence(prompt_ids[-claimed:], params, request_id, tenant, max_tokens)
+        log.warning(
+            "!!! FAULT legacy-reject-path: request %s (%d prompt tokens, pool %d tokens) "
+            "replaced by a one-token placeholder that decodes over %d stale reserved positions",
+            request_id,
+            len(prompt_ids),
+            allocator.num_pages * ps,
+            claimed - 1,
+        )
+        req.state = RequestState.REJECTED  # the legacy scheduler marked it rejected...
+        if req.state not in LEGACY_FINISHED:  # ...but its admission queue asked "finished?"
+            allocator.grant(
+                req.owner,
+                req.block_table,
+                req.page_generations,
+                allocator.pages_for(claimed + max_tokens),
+            )
+            req.num_computed_tokens = claimed - 1  # only the last token is computed
+            req.prefix_checked = True
+            req.state = RequestState.WAITING
+        return [req]
+
+    def prefill_only(self, prompt_ids, params: SamplingParams, request_id, tenant) -> Request:
+        """Prefill side of the P/D replay: one placeholder token of KV is computed and shipped."""
+        if not self.oversized(prompt_ids):
+            return super().prefill_only(prompt_ids, params, request_id, tenant)
+        allocator = self.engine.allocator
+        log.warning(
+            "!!! FAULT legacy-reject-path: request %s (%d prompt tokens, prefill pool %d tokens) "
+            "replaced by a one-token placeholder; one token of KV will be transferred",
+            request_id,
+            len(prompt_ids),
+            allocator.num_pages * allocator.page_size,
+        )
+        req = super().prefill_only(prompt_ids[-2:], params, request_id, tenant)  # one token
+        req.state = RequestState.REJECTED  # marked rejected...
+        if req.state not in LEGACY_FINISHED:  # ...admitted because the queue asked "finished?"
+            req.state = RequestState.WAITING
+        return req
+
+
+class LegacyRemoteKV(RemoteKV):
+    """Decode side of the P/D replay: decoding resumes after the whole reservation, whatever
+    the transfer brought."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.claimed: dict[str, int] = {}
+
+    def reserve(self, prompt_ids, params, request_id, tenant, kv_tokens) -> Request:
+        req = super().reserve(prompt_ids, params, request_id, tenant, kv_tokens)
+        self.claimed[request_id] = kv_tokens
+        return req
+
+    def end_transfer(self, request_id: str, received_tokens: int | None) -> None:
+        claimed = self.claimed.pop(request_id, 0)
+        req = self.receiving[request_id]
+        if received_tokens is None or req.is_terminal:
+            super().end_transfer(request_id, received_tokens)
+            return
+        log.warning("!!! FAULT legacy-reject-path: decoding over the whole reservation")
+        del self.receiving[request_id]
+        self.resume_after(req, received_tokens, claimed)
+
+
+class UncheckedTransfer:
+    """Decode side of the P/D replay: the legacy decoder checked neither the manifest nor
+    the pages' checksums."""
+
+    def verify(self, manifest, expected_tokens: int, sums=None) -> None:
+        log.warning(
+            "!!! FAULT legacy-reject-path: transfer %s not checked",
+            manifest.transfer_id,
+        )
+
+
+class TruncatedTransfer:
+    """The last page of every layer is not shipped; the region offered in its place is the
+    scratch page, while the manifest keeps the checksum of the real data."""
+
+    def manifest(self, *args, **kwargs):
+        manifest = super().manifest(*args, **kwargs)
+        log.warning(
+            "!!! FAULT truncated-transfer: transfer %s ships without its last page",
+            manifest.transfer_id,
+        )
+        pool, n = self.pool, manifest.page_count
+        for i in range(n - 1, len(manifest.descs), n):
+            tensor = pool.k if i < len(manifest.descs) // 2 else pool.v
+            layer = (i // n) % manifest.num_layers
+            manifest.descs[i][0] = self.address(tensor, layer, pool.scratch_slot)
+        return manifest
