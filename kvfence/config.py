@@ -80,8 +80,8 @@ def check_choices(config: Any) -> None:
 class EngineConfig:
     model: str | None = option(
         None,
-        "GGUF file or Hugging Face safetensors directory, of Llama, SmolLM or Qwen2 shape "
-        "(default: the embedded SmolLM2-135M-Instruct)",
+        "GGUF file or Hugging Face safetensors directory of a supported model (see Supported "
+        "models; default: the embedded SmolLM2-135M-Instruct)",
         metavar="PATH",
     )
     max_model_len: int | None = option(None, "advertised context length (default: the model's)")
@@ -186,15 +186,18 @@ class EngineConfig:
             self.resolve_auto(gguf_blocks_run=False)
         if self.page_size < 1 or self.page_size > 1024:
             raise ConfigError(f"page size {self.page_size} must be in [1, 1024]")
+        limit, what = model.max_position_embeddings, "positions"
+        if model.sliding_window is not None and model.sliding_window < limit:
+            # within the window, sliding attention is full attention; beyond it, it is not run
+            limit, what = model.sliding_window, "sliding_window (not implemented beyond it)"
         if self.max_model_len is None:
-            self.max_model_len = model.max_position_embeddings
+            self.max_model_len = limit
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be at least 2")
-        if self.max_model_len > model.max_position_embeddings:
+        if self.max_model_len > limit:
             raise ConfigError(
-                f"max_model_len {self.max_model_len} is over the model's "
-                f"{model.max_position_embeddings} positions: lower --max-model-len to at most "
-                f"{model.max_position_embeddings}"
+                f"max_model_len {self.max_model_len} is over the model's {limit} {what}: "
+                f"lower --max-model-len to at most {limit}"
             )
         kv_bytes_per_token = self.size_pool(model)
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -7,7 +7,7 @@ import kvfence  # before torch: libgomp must load with its wait set (kvfence/ope
 # isort: split
 import torch
 
-from helpers import save_tiny_model, start_server, stop_server, write_tenant_keys
+from helpers import save_tiny_gguf, save_tiny_model, start_server, stop_server, write_tenant_keys
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
@@ -28,13 +28,31 @@ def tokenizer(default_model_path):
 
 
 @pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, tokenizer):
-    return save_tiny_model(tmp_path_factory, tokenizer, "llama")
+def tiny_llama_dir(tiny_model):
+    return tiny_model("llama")
 
 
 @pytest.fixture(scope="session")
-def tiny_qwen2_dir(tmp_path_factory, tokenizer):
-    return save_tiny_model(tmp_path_factory, tokenizer, "qwen2")
+def tiny_qwen2_dir(tiny_model):
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer, default_model_path):
+    """tiny_model(arch, fmt): a tiny model of save_tiny_model's `arch`, as a safetensors
+    directory or (fmt "gguf") an F32 GGUF file of the same weights; built once a session."""
+    built = {}
+
+    def get(arch: str, fmt: str = "safetensors"):
+        if (arch, fmt) not in built:
+            if fmt == "gguf":
+                out = tmp_path_factory.mktemp(f"gguf-{arch}") / f"tiny-{arch}.gguf"
+                built[arch, fmt] = save_tiny_gguf(get(arch), out, default_model_path)
+            else:
+                built[arch, fmt] = save_tiny_model(tmp_path_factory, tokenizer, arch)
+        return built[arch, fmt]
+
+    return get
 
 
 @pytest.fixture(scope="session")

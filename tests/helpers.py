@@ -1,4 +1,5 @@
-"""Shared helpers of the tests: real server processes, their metrics, and pool checks."""
+"""Shared helpers of the tests: tiny models, real server processes, their metrics, and pool
+checks."""
 
 import os
 
@@ -9,14 +10,32 @@ ALLOW_FAULTS = {"KVFENCE_ALLOW_FAULTS": "1"}  # the environment a server with --
 _ports_given: set[int] = set()
 
 
-def save_tiny_model(tmp_path_factory, tokenizer, arch: str):
-    """A 2-layer random-weight model with the real tokenizer, saved as a HF directory."""
+# The rope scaling of the tiny Llama 3: with head_dim 16 and theta 1e4, its wavelengths fall
+# in all three of Llama 3's bands (kept, interpolated, slowed down by `factor`).
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def save_tiny_model(tmp_path_factory, tokenizer, arch: str, **overrides):
+    """A 2-layer random-weight model with the real tokenizer, saved as a HF directory. arch:
+    llama, llama3 (Llama 3's rope scaling), qwen2, qwen3 (per-head Q/K norms, a head_dim that
+    is not hidden / heads) or mistral (a 32-token sliding window)."""
     import torch
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     torch.manual_seed(0)
@@ -32,13 +51,115 @@ def save_tiny_model(tmp_path_factory, tokenizer, arch: str):
         initializer_range=0.2,
         eos_token_id=tokenizer.eos_token_id,
     )
-    if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **common))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **common))
+    families = {
+        "llama": (LlamaForCausalLM, LlamaConfig, dict(tie_word_embeddings=False)),
+        "llama3": (LlamaForCausalLM, LlamaConfig, dict(rope_scaling=LLAMA3_ROPE)),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(head_dim=32, tie_word_embeddings=True)),
+        "mistral": (MistralForCausalLM, MistralConfig, dict(sliding_window=32)),
+    }
+    model_class, config_class, extra = families[arch]
+    model = model_class(config_class(**common | extra | overrides))
+    if arch == "qwen3":  # random norm weights, so that a skipped Q/K norm shows
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     path = tmp_path_factory.mktemp(f"tiny-{arch}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None):
+    """A HF directory's model as an F32 GGUF file, laid out as llama.cpp's converter writes it:
+    Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
+    metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
+    replacing) the architecture's keys, named without the `{arch}.` prefix."""
+    import json
+
+    import gguf
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    raw = json.loads((hf_dir / "config.json").read_text())
+    arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(
+        raw["architectures"][0], "llama"
+    )
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    u32, f32 = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+    rope = raw.get("rope_parameters") or {}
+    keys = {
+        "context_length": (raw["max_position_embeddings"], u32),
+        "embedding_length": (raw["hidden_size"], u32),
+        "block_count": (raw["num_hidden_layers"], u32),
+        "feed_forward_length": (raw["intermediate_size"], u32),
+        "attention.head_count": (heads, u32),
+        "attention.head_count_kv": (kv_heads, u32),
+        "attention.key_length": (head_dim, u32),
+        "attention.value_length": (head_dim, u32),
+        "rope.dimension_count": (head_dim, u32),
+        "rope.freq_base": (rope.get("rope_theta", 10000.0), f32),
+        "attention.layer_norm_rms_epsilon": (raw["rms_norm_eps"], f32),
+    }
+    if raw.get("sliding_window") and arch == "llama":
+        keys["attention.sliding_window"] = (raw["sliding_window"], u32)
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, (value, vtype) in (keys | (metadata or {})).items():
+        w.add_key_value(f"{arch}.{key}", value, vtype)
+    for field in gguf.GGUFReader(str(tokenizer_gguf)).fields.values():
+        if field.name.startswith("tokenizer."):
+            sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(field.name, field.contents(), field.types[0], sub)
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    if rope.get("rope_type", "default") != "default":  # the factors transformers applies
+        config = AutoConfig.from_pretrained(hf_dir)
+        scaled, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
+        plain = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim))
+        tensors["rope_freqs.weight"] = plain / scaled
+
+    def permute(t, n):  # llama.cpp's LlamaModel.permute
+        return t.reshape(n, 2, t.shape[0] // n // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
+
+    names = {
+        "input_layernorm": "attn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
+    for name, t in tensors.items():
+        if name.startswith("model.layers."):
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            if arch == "llama" and module == "self_attn.q_proj":
+                t = permute(t, heads)
+            elif arch == "llama" and module == "self_attn.k_proj":
+                t = permute(t, kv_heads)
+            name = f"blk.{i}.{names[module]}.{kind}"
+        else:
+            name = {
+                "model.embed_tokens.weight": "token_embd.weight",
+                "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight",
+            }.get(name, name)
+        if name == "output.weight" and raw.get("tie_word_embeddings"):
+            continue
+        w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return path
 
 

@@ -69,56 +69,59 @@ def compare_batched(llm, hf_model, prompts, max_tokens, atol):
     return results
 
 
+TINY_PROMPTS = [
+    "hello",
+    "a longer prompt that will need several chunks of prefill to get through",
+    "x y z w",
+]
+
+
+def tiny_llm(path, **kwargs) -> LLM:
+    """Page size 5 and 16-token steps: prompts prefill in chunks, batched with other lengths."""
+    return LLM(
+        str(path),
+        page_size=5,
+        num_kv_pages=200,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        **kwargs,
+    )
+
+
 @pytest.mark.parametrize("attention", ["kernel", "torch"])
-@pytest.mark.parametrize(
-    "arch,kv_cache_dtype,atol",
-    [
-        ("llama", "float32", 1e-4),
-        ("qwen2", "float32", 1e-4),
-        ("llama", "bfloat16", 0.1),
-        ("llama", "fp8", 1.5),
-    ],
-)
-def test_tiny_model_logits_match_transformers(arch, kv_cache_dtype, atol, attention, request):
-    """Prefill in chunks and decode, batched with prompts of other lengths, page size 5. A
-    bf16 pool rounds K and V to 8 bits of mantissa and fp8 (e4m3) to 4, hence the looser
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+def test_model_families_match_transformers(arch, fmt, attention, tiny_model):
+    """Every family, read from its safetensors or from a GGUF file of the same weights in
+    llama.cpp's layout, gives transformers' logits: Llama 3's rope scaling (from config.json
+    or rope_freqs), Qwen2's QKV bias, Qwen3's per-head Q/K norms and explicit head_dim, and
+    Mistral within its sliding window."""
+    from transformers import AutoModelForCausalLM
+
+    llm = tiny_llm(tiny_model(arch, fmt), attention=attention)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch)), dtype=torch.float32).eval()
+    compare_batched(llm, hf, TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
+@pytest.mark.parametrize("kv_cache_dtype,atol", [("bfloat16", 0.1), ("fp8", 1.5)])
+def test_tiny_model_logits_match_transformers(kv_cache_dtype, atol, attention, tiny_llama_dir):
+    """A bf16 pool rounds K and V to 8 bits of mantissa and fp8 (e4m3) to 4, hence the looser
     tolerances (docs/precision.md)."""
     from transformers import AutoModelForCausalLM
 
-    path = request.getfixturevalue(f"tiny_{arch}_dir")
-    llm = LLM(
-        str(path),
-        page_size=5,
-        num_kv_pages=200,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        attention=attention,
-        kv_cache_dtype=kv_cache_dtype,
-    )
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    prompts = [
-        "hello",
-        "a longer prompt that will need several chunks of prefill to get through",
-        "x y z w",
-    ]
-    compare_batched(llm, hf, prompts, max_tokens=6, atol=atol)
+    llm = tiny_llm(tiny_llama_dir, attention=attention, kv_cache_dtype=kv_cache_dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    compare_batched(llm, hf, TINY_PROMPTS, max_tokens=6, atol=atol)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2"])
 @pytest.mark.parametrize("kv_cache_dtype", ["float32", "bfloat16", "fp8"])
-def test_decode_layers_in_one_call_give_the_python_loops_bits(arch, kv_cache_dtype, request):
+def test_decode_layers_in_one_call_give_the_python_loops_bits(arch, kv_cache_dtype, tiny_model):
     """Where every kernel is at hand, a decode step's layers run in one C++ call (fused.cpp's
-    decode_layers); every logprob equals the per-layer Python loop's (Qwen2: with qkv bias)."""
-    path = request.getfixturevalue(f"tiny_{arch}_dir")
-    llm = LLM(
-        str(path),
-        page_size=5,
-        num_kv_pages=200,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        kv_cache_dtype=kv_cache_dtype,
-        prefix_cache=False,
-    )
+    decode_layers); every logprob equals the per-layer Python loop's (Qwen2: with qkv bias,
+    Llama 3: with scaled rope)."""
+    llm = tiny_llm(tiny_model(arch), kv_cache_dtype=kv_cache_dtype, prefix_cache=False)
     model = llm.engine.runner.model
     one_call, calls = model.decode_layers, []
     assert one_call is not None
@@ -126,15 +129,15 @@ def test_decode_layers_in_one_call_give_the_python_loops_bits(arch, kv_cache_dty
         calls.append(len(args[1])) or one_call(*args)
     )  # args[1]: the pool's layers
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3)
-    prompts = [
-        "hello",
-        "a longer prompt that will need several chunks of prefill to get through",
-        "x y z w",
-    ]
-    fused = [o.outputs[0].logprobs for o in llm.generate(prompts, params)]
+    fused = [o.outputs[0].logprobs for o in llm.generate(TINY_PROMPTS, params)]
     assert calls and set(calls) == {len(model.layers)}
     model.decode_layers = None
-    assert fused == [o.outputs[0].logprobs for o in llm.generate(prompts, params)]
+    assert fused == [o.outputs[0].logprobs for o in llm.generate(TINY_PROMPTS, params)]
+
+
+def test_qwen3_decodes_through_the_python_loop(tiny_model):
+    """The one-call decode has no per-head Q/K norms, so Qwen3 never takes it."""
+    assert tiny_llm(tiny_model("qwen3")).engine.runner.model.decode_layers is None
 
 
 def test_default_model_logits_match_transformers(hf_reference):

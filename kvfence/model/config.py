@@ -18,9 +18,16 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head, before RoPE
     # End-of-sequence ids the model file declares; empty: the tokenizer's eos is used. Read
     # from the file because tokenizer converters have been seen to get it wrong.
     eos_token_ids: tuple[int, ...] = ()
+    # What RoPE's inverse frequencies are divided by, one per frequency (Llama 3's scaling,
+    # linear scaling, a GGUF file's rope_freqs); empty: plain RoPE.
+    rope_factors: tuple[float, ...] = ()
+    # Attention over the last `sliding_window` positions only; the engine refuses contexts
+    # longer than it, where that would differ from full attention.
+    sliding_window: int | None = None
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """K and V for every layer, `element_size` bytes a value."""

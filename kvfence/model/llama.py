@@ -1,4 +1,5 @@
-"""Llama-family forward pass (Llama, SmolLM, Qwen2 shapes) over the paged KV pool."""
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2 and Qwen3 shapes) over the paged KV
+pool."""
 
 from dataclasses import dataclass
 
@@ -73,6 +74,8 @@ class Layer:
     ffn_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
 
 
 class LlamaModel:
@@ -115,6 +118,8 @@ class LlamaModel:
                 fp32(w.ffn_norm),
                 lin(w.gate_up),
                 lin(w.down),
+                None if w.q_norm is None else fp32(w.q_norm),
+                None if w.k_norm is None else fp32(w.k_norm),
             )
             for w in weights.layers
         ]
@@ -125,12 +130,15 @@ class LlamaModel:
             config.rope_theta
             ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
         )
+        if config.rope_factors:
+            self.inv_freq /= torch.tensor(config.rope_factors, device=self.device)
         self.scale = d**-0.5
         self.q_size = config.num_heads * d
-        # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call.
+        # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call
+        # (which has no per-head Q/K norms).
         bind_layers = (
             decode_layers(self.device.type)
-            if kernel is not None and dtype == torch.float32
+            if kernel is not None and dtype == torch.float32 and not config.qk_norm
             else None
         )
         self.decode_layers = None
@@ -163,6 +171,25 @@ class LlamaModel:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         return torch.cat((freqs, freqs), dim=-1).cos(), torch.cat(
             (-freqs.sin(), freqs.sin()), dim=-1
+        )
+
+    def norm_qk(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
+        """Qwen3's RMSNorm over each query and key head of qkv; V passes through."""
+        cfg, rows = self.config, qkv.shape[0]
+        d, q_width = cfg.head_dim, self.q_size
+        k_end = q_width + cfg.num_kv_heads * d
+
+        def norm(x, weight):
+            x = x.float().reshape(rows, -1, d)
+            return F.rms_norm(x, (d,), weight, cfg.rms_norm_eps).flatten(1).to(qkv.dtype)
+
+        return torch.cat(
+            (
+                norm(qkv[:, :q_width], layer.q_norm),
+                norm(qkv[:, q_width:k_end], layer.k_norm),
+                qkv[:, k_end:],
+            ),
+            dim=1,
         )
 
     @torch.inference_mode()
@@ -201,8 +228,11 @@ class LlamaModel:
         else:
             for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
                 h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
+                qkv = layer.qkv(h)
+                if layer.q_norm is not None:
+                    qkv = self.norm_qk(qkv, layer)
                 q = ops.rope_write_kv(
-                    layer.qkv(h),
+                    qkv,
                     cos,
                     sin,
                     k_cache,

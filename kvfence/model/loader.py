@@ -7,6 +7,7 @@ layer runs two matmuls where it would otherwise run five.
 
 import importlib.util
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +22,10 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_HF_ARCHITECTURES = {
     "LlamaForCausalLM",
     "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
     "MistralForCausalLM",
 }
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 class ModelLoadError(Exception):
@@ -38,6 +41,8 @@ class LayerWeights:
     ffn_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    q_norm: torch.Tensor | None = None  # Qwen3: RMSNorm over each head of Q and K before RoPE
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,7 +120,56 @@ def _fuse(
         ffn_norm=t["ffn_norm"],
         gate_up=torch.cat([t["gate"], t["up"]]).contiguous(),
         down=t["down"].contiguous(),
+        q_norm=t.get("q_norm") if config.qk_norm else None,
+        k_norm=t.get("k_norm") if config.qk_norm else None,
     )
+
+
+def _layer_names(config: ModelConfig, names: dict[str, str]) -> list[str]:
+    """The tensor names of one layer that the model reads."""
+    keys = ["attn_norm", "q", "k", "v", "o", "ffn_norm", "gate", "up", "down"]
+    keys += ["q_bias", "k_bias", "v_bias"] if config.attention_bias else []
+    keys += ["q_norm", "k_norm"] if config.qk_norm else []
+    return [names[k] for k in keys]
+
+
+def _check_tensors(path: Path, found: set[str], expected: set[str], ignored=()) -> None:
+    """Every tensor the model reads is there, and no tensor is left unread: an unread tensor
+    is a feature (a bias, an extra norm, experts) that would otherwise be silently dropped."""
+    missing = sorted(expected - found)
+    if missing:
+        raise ModelLoadError(f"{path.name} lacks tensors {missing[:3]} ({len(missing)} missing)")
+    unread = sorted(n for n in found - expected if not n.endswith(tuple(ignored)))
+    if unread:
+        raise ModelLoadError(
+            f"{path.name} has tensors kvfence does not implement: {unread[:3]} "
+            f"({len(unread)} in all)"
+        )
+
+
+def llama3_rope_factors(
+    head_dim: int,
+    theta: float,
+    factor: float,
+    low_freq_factor: float,
+    high_freq_factor: float,
+    original_max_position_embeddings: int,
+) -> tuple[float, ...]:
+    """Llama 3's RoPE scaling as divisors of the inverse frequencies (what llama.cpp's converter
+    writes as rope_freqs): long wavelengths slow down by `factor`, short ones keep theirs, and
+    those between are interpolated."""
+    old = original_max_position_embeddings
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old / high_freq_factor:
+            factors.append(1.0)
+        elif wavelen > old / low_freq_factor:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return tuple(factors)
 
 
 # --- GGUF -------------------------------------------------------------------------
@@ -133,6 +187,8 @@ _GGUF_LAYER_NAMES = {
     "q_bias": "attn_q.bias",
     "k_bias": "attn_k.bias",
     "v_bias": "attn_v.bias",
+    "q_norm": "attn_q_norm.weight",
+    "k_norm": "attn_k_norm.weight",
 }
 
 
@@ -157,13 +213,43 @@ def gguf_model_config(reader) -> ModelConfig:
         return f.contents()
 
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise ModelLoadError(f"unsupported GGUF architecture '{arch}' (supported: llama, qwen2)")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture '{arch}' "
+            f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+        )
     hidden = int(field(f"{arch}.embedding_length"))
     heads = int(field(f"{arch}.attention.head_count"))
-    names = {t.name for t in reader.tensors}
+    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
+    for key, value in (
+        (f"{arch}.attention.value_length", head_dim),
+        (f"{arch}.rope.dimension_count", head_dim),
+        (f"{arch}.expert_count", 0),
+    ):
+        if int(field(key, value)) != value:
+            raise ModelLoadError(
+                f"{key} = {field(key)} is not implemented (kvfence runs {key} = {value})"
+            )
+    rope_factors = ()
+    scaling = field(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        rope_factors = (float(field(f"{arch}.rope.scaling.factor")),) * (head_dim // 2)
+    elif scaling != "none":
+        raise ModelLoadError(
+            f"{arch}.rope.scaling.type = '{scaling}' is not implemented (none and linear are)"
+        )
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_freqs.weight" in tensors:  # Llama 3's scaling, as llama.cpp's converter writes it
+        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+        if freqs.size != head_dim // 2:
+            raise ModelLoadError(
+                f"rope_freqs.weight has {freqs.size} values for a head of {head_dim}"
+            )
+        base = rope_factors or (1.0,) * freqs.size
+        rope_factors = tuple(float(a * b) for a, b in zip(base, freqs))
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(field(f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
+    window = reader.fields.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -172,18 +258,29 @@ def gguf_model_config(reader) -> ModelConfig:
         num_layers=int(field(f"{arch}.block_count")),
         num_heads=heads,
         num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=hidden // heads,
+        head_dim=head_dim,
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(field(f"{arch}.context_length")),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         eos_token_ids=tuple(
             int(reader.fields[k].contents())
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
             if k in reader.fields
         ),
+        rope_factors=rope_factors,
+        sliding_window=int(window.contents()) if window else None,
     )
+
+
+def _gguf_tensor_names(config: ModelConfig) -> set[str]:
+    names = {"token_embd.weight", "output_norm.weight"}
+    names |= set() if config.tie_word_embeddings else {"output.weight"}
+    for i in range(config.num_layers):
+        names |= {f"blk.{i}.{n}" for n in _layer_names(config, _GGUF_LAYER_NAMES)}
+    return names
 
 
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights each
@@ -248,6 +345,9 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     config = gguf_model_config(reader)
+    _check_tensors(
+        path, {t.name for t in reader.tensors}, _gguf_tensor_names(config), ["rope_freqs.weight"]
+    )
     head, linear_tensors = _gguf_linear_tensors(reader, config)
     blocks: dict[str, torch.Tensor] = {}
     if keep_blocks:
@@ -260,6 +360,8 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
             blocks[t.name] = gguf_blocks(t.data, t.tensor_type.name)
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        if t.name == "rope_freqs.weight":  # read into the config
+            continue
         if t.name not in blocks or t.name == "token_embd.weight":  # the embedding lookup needs fp32
             tensors[t.name] = torch.from_numpy(
                 np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
@@ -301,12 +403,49 @@ _HF_LAYER_NAMES = {
     "q_bias": "self_attn.q_proj.bias",
     "k_bias": "self_attn.k_proj.bias",
     "v_bias": "self_attn.v_proj.bias",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
 }
 
 
 def _ids(value) -> tuple[int, ...]:
     """An eos_token_id entry of config.json (an int, a list or null) as a tuple."""
     return tuple(value) if isinstance(value, list) else () if value is None else (value,)
+
+
+def _refuse(key: str, value, supported: str) -> ModelLoadError:
+    return ModelLoadError(f"config.json: {key} = {value!r} is not implemented ({supported})")
+
+
+def hf_rope_factors(rope: dict, head_dim: int, theta: float) -> tuple[float, ...]:
+    """config.json's rope scaling as divisors of RoPE's inverse frequencies."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return ()
+    if kind == "linear":
+        return (float(rope["factor"]),) * (head_dim // 2)
+    if kind == "llama3":
+        return llama3_rope_factors(
+            head_dim,
+            theta,
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    # dynamic NTK changes the frequencies with the sequence length, after the keys are cached
+    raise _refuse("rope_scaling.rope_type", kind, "default, linear and llama3 are")
+
+
+def _sliding_window(raw: dict) -> int | None:
+    """The window of the layers that slide, if any do: Mistral's always, Qwen's when
+    use_sliding_window (or layer_types) says so."""
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        slides = "sliding_attention" in layer_types
+    else:
+        slides = raw.get("use_sliding_window", "MistralForCausalLM" in raw["architectures"])
+    return raw.get("sliding_window") if slides else None
 
 
 def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
@@ -316,13 +455,15 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
         raise ModelLoadError(
             f"unsupported architecture {archs}: kvfence runs {sorted(SUPPORTED_HF_ARCHITECTURES)}"
         )
+    for key, runs in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0)):
+        if raw.get(key) not in (None, runs):  # absent: the default, which is what runs
+            raise _refuse(key, raw[key], f"kvfence runs {key} = {runs!r}")
+    if raw.get("mlp_bias"):
+        raise _refuse("mlp_bias", True, "the MLP has no bias")
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise ModelLoadError(
-            f"unsupported rope scaling '{rope_type}': only plain RoPE is implemented"
-        )
     heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    theta = float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0))
     return ModelConfig(
         architecture=archs[0],
         vocab_size=raw["vocab_size"],
@@ -331,17 +472,20 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
         num_layers=raw["num_hidden_layers"],
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rope_theta=float(raw.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        head_dim=head_dim,
+        rope_theta=theta,
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         attention_bias=raw.get("attention_bias", "Qwen2ForCausalLM" in archs),
+        qk_norm="Qwen3ForCausalLM" in archs,
         eos_token_ids=tuple(
             dict.fromkeys(
                 _ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
             )
         ),
+        rope_factors=hf_rope_factors(rope, head_dim, theta),
+        sliding_window=_sliding_window(raw),
     )
 
 
@@ -359,6 +503,11 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
     tensors: dict[str, torch.Tensor] = {}
     for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress):
         tensors.update({k: v.float() for k, v in load_file(str(f)).items()})
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(config.num_layers):
+        expected |= {f"model.layers.{i}.{n}" for n in _layer_names(config, _HF_LAYER_NAMES)}
+    # a tied lm_head.weight may be saved too; inv_freq is RoPE's table, recomputed
+    _check_tensors(path, set(tensors), expected, ["lm_head.weight", "rotary_emb.inv_freq"])
     embed = tensors["model.embed_tokens.weight"]
     lm_head = tensors.get("lm_head.weight")
     if config.tie_word_embeddings or lm_head is None:
