@@ -31,6 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from common import (
+    checked_fma_peak,
     flops_per_token,
     fma_peak_gflops,
     machine_line,
@@ -372,7 +373,7 @@ def main() -> None:
     report = {
         "machine": machine_line(args.device),
         "rounds": [],
-        "fma_peak_gflops": fma_peak,
+        "fma_peak_read_gflops": fma_peak,
         "sampling": f"temperature {args.temperature}, top_p {args.top_p}"
         if args.temperature
         else "greedy",
@@ -429,6 +430,7 @@ def main() -> None:
         peaks += decode_fractions(llm, report[name], peak_of)
     peak = statistics.median(peaks)
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
+    report["fma_peak_gflops"] = checked_fma_peak(fma_peak, max(peaks))
     if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
         report["matmul_peak_gflops_bfloat16"] = peak_of(torch.bfloat16)
     print_report(report, engines, workload_flops(cfg, workloads["mixed"]))

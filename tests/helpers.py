@@ -70,11 +70,31 @@ def save_tiny_model(tmp_path_factory, tokenizer, arch: str, **overrides):
     return path
 
 
-def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None):
+def random_k_quant_blocks(kind: str, n: int, k: int, magnitude: float, seed: int):
+    """n rows of k weights as random Q4_K, Q5_K or Q6_K blocks (gguf-py cannot quantize to
+    them): random codes and sub-block scales, the fp16 super-block scales drawn so that the
+    weights stay within about `magnitude`. uint8 [n, k / 256 * block bytes]."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, size = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, size), dtype=np.uint8)
+    # Q4_K/Q5_K: d and dmin first; Q6_K: d last, times int8 scales and codes of +-32
+    at, codes = (0, 31 * 63) if kind != "Q6_K" else (size - 2, 32 * 127)
+    count = 2 if kind != "Q6_K" else 1
+    d = (rng.uniform(0.5, 1.0, (n, k // 256, count)) * magnitude / codes).astype(np.float16)
+    raw[..., at : at + 2 * count] = d.view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None):
     """A HF directory's model as an F32 GGUF file, laid out as llama.cpp's converter writes it:
     Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
     metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
-    replacing) the architecture's keys, named without the `{arch}.` prefix."""
+    replacing) the architecture's keys, named without the `{arch}.` prefix. types: {suffix of
+    a GGUF tensor name: GGUF type} for linear weights, stored in that type: quantized by gguf-py,
+    or random K-quant blocks (random_k_quant_blocks) in place of the weights; the rest F32."""
     import json
 
     import gguf
@@ -155,7 +175,21 @@ def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None):
             }.get(name, name)
         if name == "output.weight" and raw.get("tie_word_embeddings"):
             continue
-        w.add_tensor(name, np.ascontiguousarray(t.float().numpy()))
+        t = np.ascontiguousarray(t.float().numpy())
+        matches = (
+            v
+            for k, v in (types or {}).items()
+            if t.ndim == 2 and (k in (name, "*") or name.endswith("." + k))
+        )
+        kind = next(matches, "F32")
+        if kind in ("Q4_K", "Q5_K", "Q6_K"):
+            raw = random_k_quant_blocks(kind, *t.shape, magnitude=0.2, seed=len(name))
+            w.add_tensor(name, raw, raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif kind != "F32":
+            qtype = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

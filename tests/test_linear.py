@@ -4,6 +4,7 @@ GGUF blocks giving the bits of their fp32 values; and its 8-bit-activation mode.
 import pytest
 import torch
 
+from helpers import random_k_quant_blocks
 from kvfence.model.kernels import build, cpu_variant, linear_kernel
 from kvfence.model.linear import (
     ONEDNN_MIN_ROWS,
@@ -122,47 +123,50 @@ def test_bfloat16_large_batches_go_to_onednn_where_it_has_bf16(kernel):
 def gguf_weights(
     kind: str, n: int, k: int, magnitude: float, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random weights through gguf's own quantizer: (our blocks, gguf's dequantized fp32)."""
+    """Random weights through gguf's own quantizer, or random K-quant blocks (which it cannot
+    quantize to): (our blocks, gguf's dequantized fp32)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize, quantize
 
     qtype = GGMLQuantizationType[kind]
-    raw = quantize(
-        (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * magnitude).numpy(),
-        qtype,
-    )
+    if kind.endswith("_K"):
+        raw = random_k_quant_blocks(kind, n, k, magnitude, seed)
+    else:
+        weights = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * magnitude
+        raw = quantize(weights.numpy(), qtype)
     return gguf_blocks(raw, kind), torch.from_numpy(dequantize(raw, qtype))
 
 
 @pytest.mark.parametrize(
-    "kind, magnitude, block_bytes",
+    "kind, magnitude, k, block_bytes",
     [
-        ("Q4_0", 0.1, 640),
-        ("Q4_1", 0.1, 640),
-        ("Q8_0", 0.1, 1280),
-        (
-            "Q4_0",
-            5e4,
-            1280,
-        ),  # -8 x scale overflows fp16: 8-bit codes with fp32 scales instead
+        ("Q4_0", 0.1, 96, 640),
+        ("Q4_1", 0.1, 96, 640),
+        ("Q5_0", 0.1, 96, 1280),
+        ("Q5_1", 0.1, 96, 1280),
+        ("Q8_0", 0.1, 96, 1280),
+        ("Q4_K", 0.1, 512, 768),  # sub-block scales d * sc need more bits than fp16's
+        ("Q5_K", 0.1, 512, 1280),
+        ("Q4_0", 5e4, 96, 768),  # -8 x scale overflows fp16: fp32 scales
     ],
 )
-def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, block_bytes):
-    """The kernel on a GGUF file's blocks against the kernel on gguf's own dequantized fp32,
-    in either packed block format."""
-    blocks, reference = gguf_weights(kind, 70, 96, magnitude, seed=2)
+def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, k, block_bytes):
+    """Each type's blocks decode to exactly gguf-py's dequantized values, and the kernel on
+    them gives the kernel's results on those fp32 values, in either packed block format."""
+    blocks, reference = gguf_weights(kind, 70, k, magnitude, seed=2)
     gen = torch.Generator().manual_seed(2)
-    assert blocks.shape == (70, 96 // 32 * 40) and blocks.dtype == torch.uint8
-    assert torch.equal(blocks_to_float(blocks), reference)
+    assert blocks.shape == (70, k // 32 * 40) and blocks.dtype == torch.uint8
+    assert torch.equal(blocks_to_float(blocks), reference)  # as values: d * (8 - 8) may be -0
     bias = torch.randn(70, generator=gen)
     for m in (1, 7, 12, 40):
-        x = torch.randn(m, 96, generator=gen)
+        x = torch.randn(m, k, generator=gen)
         assert torch.equal(kernel(x, pack(blocks), 70, bias), kernel(x, pack(reference), 70, bias))
     with pytest.raises(RuntimeError, match="weights"):  # blocks packed for another K
         kernel(torch.randn(2, 64), pack(blocks), 70, None)
     layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
-    # per weight: 0.625 bytes with 4-bit codes, 1.25 with 8-bit ones; fp32 would be 4
-    assert layer.weight is None and layer.packed.shape == (3, 3, block_bytes)
+    # per weight: 0.625 bytes with 4-bit codes and fp16 scales, 0.75 with fp32 scales, 1.25
+    # with 8-bit codes; fp32 would be 4
+    assert layer.weight is None and layer.packed.shape == (3, k // 32, block_bytes)
 
 
 def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):

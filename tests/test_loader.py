@@ -1,14 +1,15 @@
 """What the loader refuses: every model feature kvfence does not implement is named, with its
-value, instead of being run approximately."""
+value, instead of being run approximately. And what it keeps of a GGUF file's blocks."""
 
 import json
+import logging
 import shutil
 
 import gguf
 import pytest
 
 from helpers import save_tiny_gguf, save_tiny_model
-from kvfence import LLM
+from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
 from kvfence.model.loader import ModelLoadError, llama3_rope_factors
 
@@ -104,3 +105,56 @@ def test_llama3_rope_factors_follow_the_three_bands():
     assert factors[0] == 1.0 and factors[-1] == 8.0
     assert all(1.0 < f < 8.0 for f in factors if f not in (1.0, 8.0))
     assert list(factors) == sorted(factors) and len(set(factors)) > 3
+
+
+MIXES = {
+    # Q4_K_M's pattern: Q4_K for most weights, more bits for V, the FFN's down projection and
+    # the output layer. K-quants need rows of 256, hence the wider model.
+    "k-quants": (
+        {"hidden_size": 256, "intermediate_size": 512},
+        {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q5_K", "output.weight": "Q6_K", "*": "Q4_K"},
+        ["Q4_K", "Q5_K"],
+        ["Q6_K"],
+    ),
+    "legacy": (
+        {},
+        {
+            "attn_q.weight": "Q5_0",
+            "attn_k.weight": "Q5_1",
+            "attn_v.weight": "Q8_0",
+            "ffn_down.weight": "F16",
+            "output.weight": "BF16",
+            "*": "Q4_1",
+        },
+        ["Q5_0", "Q5_1", "Q8_0", "Q4_1"],
+        ["F16", "BF16"],
+    ),
+}
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
+    mix, tmp_path_factory, tokenizer, default_model_path, caplog
+):
+    """--dtype auto keeps every type it has blocks for and dequantizes the rest, says so in
+    one line, and gives --dtype float32's logprobs bit for bit; gguf-int8 names the tensor
+    it cannot run."""
+    shape, types, kept, dequantized = MIXES[mix]
+    hf_dir = save_tiny_model(tmp_path_factory, tokenizer, "llama", **shape)
+    path = save_tiny_gguf(hf_dir, hf_dir.parent / f"{mix}.gguf", default_model_path, types=types)
+    small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    with caplog.at_level(logging.INFO, "kvfence.loader"):
+        blocks = LLM(str(path), **small)
+    assert blocks.engine.config.dtype == "gguf"
+    (line,) = [r.getMessage() for r in caplog.records if "kept in blocks" in r.getMessage()]
+    kept_part, dequantized_part = line.split("dequantized to float32")
+    assert all(f" {kind} (" in kept_part for kind in kept)
+    assert all(f" {kind} (" in dequantized_part for kind in dequantized)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["hello", "a longer prompt that needs chunks of prefill", "x y z w"]
+    fp32 = LLM(str(path), dtype="float32", **small)
+    assert [o.outputs[0].logprobs for o in blocks.generate(prompts, params)] == [
+        o.outputs[0].logprobs for o in fp32.generate(prompts, params)
+    ]
+    with pytest.raises(ModelLoadError, match=r"gguf-int8 runs on Q4_0, Q4_1, Q8_0 blocks; \S+ is"):
+        LLM(str(path), dtype="gguf-int8", **small)

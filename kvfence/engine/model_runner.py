@@ -30,7 +30,9 @@ def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig
         config.device == "cpu" and has_gguf_blocks(path) and linear_kernel("cpu") is not None
     )
     config.resolve_auto(gguf_blocks_run=blocks_run)
-    model_config, weights = load_model(path, progress=progress, keep_blocks=config.keeps_blocks)
+    model_config, weights = load_model(
+        path, progress, keep_blocks=config.keeps_blocks, int8=config.dtype == "gguf-int8"
+    )
     config.resolve(model_config)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
     model = LlamaModel(

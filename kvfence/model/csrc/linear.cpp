@@ -8,8 +8,10 @@
 //   4-bit blocks: [N/32, K/32, 640] bytes: per 32 k, the 32 rows' scales and offsets (fp16),
 //                 then 32 k x 16 bytes of codes: byte j holds row j's code in its low nibble,
 //                 row j + 16's in its high one.
-//                 Either way w = fma(scale, code, offset), which is exactly the fp32 value gguf
-//                 dequantizes Q4_0, Q4_1 and Q8_0 blocks to.
+//   4-bit blocks with fp32 scales: [N/32, K/32, 768] bytes: the 8-bit layout's scales and
+//                 offsets, then the 4-bit layout's codes (Q4_K: its d * sc needs fp32).
+//                 Every way w = fma(scale, code, offset), which is exactly the fp32 value gguf
+//                 dequantizes the block to (see model/loader.py, gguf_blocks).
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
 // rows, whichever tile it falls in and whatever the vector width (AVX-512 or AVX2): a row
 // comes out bit-identical alone and in a batch of 64, on either kind of CPU, and blocks give
@@ -130,10 +132,20 @@ struct Codes4 {
   }
 };
 
-static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1);
+struct Codes4F {
+  uint8_t byte;
+  static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel / 2;
+  static Vec scale(const uint8_t* block, int64_t j) { return Codes8::scale(block, j); }
+  static Vec offset(const uint8_t* block, int64_t j) { return Codes8::offset(block, j); }
+  static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
+    return fmadd(scale, load_nibbles(block + 2 * kPanel * 4 + k * kPanel / 2 + j % 16, j >= 16), offset);
+  }
+};
+
+static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1);
 
 template <typename W>
-constexpr bool is_blocks = std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4>;
+constexpr bool is_blocks = std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4> || std::is_same_v<W, Codes4F>;
 
 template <int MR, int NV>
 inline void accumulate(Vec (&acc)[MR][NV], const float* x, int64_t K, int64_t k, const Vec (&w)[NV]) {
@@ -552,9 +564,10 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     return out;
   }
   TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock &&
-                           (packed.size(2) == Codes8::kBytes || packed.size(2) == Codes4::kBytes)
+                           (packed.size(2) == Codes8::kBytes || packed.size(2) == Codes4::kBytes ||
+                            packed.size(2) == Codes4F::kBytes)
                      : packed.size(1) == K && packed.size(2) == kPanel,
-              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280 or 640] (blocks) for this K");
+              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280, 768 or 640] (blocks) for this K");
   if (M == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
     run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
@@ -562,6 +575,9 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (blocks && packed.size(2) == Codes8::kBytes)
     run(xc.data_ptr<float>(), reinterpret_cast<const Codes8*>(packed.data_ptr<uint8_t>()), panel_size, b,
+        out.data_ptr<float>(), M, N, K);
+  else if (blocks && packed.size(2) == Codes4F::kBytes)
+    run(xc.data_ptr<float>(), reinterpret_cast<const Codes4F*>(packed.data_ptr<uint8_t>()), panel_size, b,
         out.data_ptr<float>(), M, N, K);
   else if (blocks)
     run(xc.data_ptr<float>(), reinterpret_cast<const Codes4*>(packed.data_ptr<uint8_t>()), panel_size, b,

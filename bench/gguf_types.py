@@ -1,0 +1,90 @@
+"""The linear kernel on each GGUF type it keeps in blocks, against fp32 in the same run.
+
+    python bench/gguf_types.py [--rows 1,64] [--shape 8192x2048]
+
+One weight of Llama-3.2-1B's MLP shape (8192 x 2048 by default) in each type: quantized by
+gguf-py where it can, else (K-quants) random blocks with a small fp16 scale, which run the
+same instructions. For 1 and 64 rows of activations, medians over rounds that take each
+type in turn: GFLOP/s, the packed weight's bytes per weight and GB/s streamed, the ratio to
+the fp32 kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
+"""
+
+import argparse
+import statistics
+import time
+
+from common import machine_line, matmul_peak_gflops
+
+# isort: split
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from kvfence.model.kernels import linear_kernel
+from kvfence.model.linear import pack
+from kvfence.model.loader import BLOCK_BYTES, gguf_blocks
+
+
+def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    qtype = GGMLQuantizationType[kind]
+    if not kind.endswith("_K"):
+        return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    raw[..., 0:4] = np.full((n, k // block, 2), 1e-4, np.float16).view(np.uint8)  # d, dmin
+    return raw.reshape(n, -1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,64", help="activation rows, comma-separated")
+    ap.add_argument("--shape", default="8192x2048", help="output x input features")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=20, help="calls timed per round")
+    args = ap.parse_args()
+    n, k = map(int, args.shape.split("x"))
+    rows = [int(r) for r in args.rows.split(",")]
+    kernel = linear_kernel("cpu")
+    if kernel is None:
+        raise SystemExit("the linear kernel is not installed here: nothing to measure")
+    rng = np.random.default_rng(0)
+    weights = {}
+    for kind in BLOCK_BYTES:
+        raw = blocks_of(kind, n, k, rng)
+        weights[kind] = pack(gguf_blocks(raw, kind))
+        if kind == "Q4_0":  # fp32 on the same values, for the ratio
+            weights["F32"] = pack(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0)))
+    xs = {m: torch.randn(m, k) for m in rows}
+    times = {(kind, m): [] for kind in weights for m in rows}
+    for _ in range(args.rounds):
+        for kind, packed in weights.items():
+            for m, x in xs.items():
+                kernel(x, packed, n, None)
+                t = time.perf_counter()
+                for _ in range(args.repeats):
+                    kernel(x, packed, n, None)
+                times[kind, m].append((time.perf_counter() - t) / args.repeats)
+    peak = matmul_peak_gflops()
+    print(f"machine: {machine_line()}; weight {n} x {k}; medians of {args.rounds} rounds")
+    print(f"fp32 matmul peak measured (torch GEMM): {peak:.1f} GFLOP/s")
+    print(
+        "| type | bytes/weight | "
+        + " | ".join(f"{m} rows: GFLOP/s, GB/s, x fp32" for m in rows)
+        + " |"
+    )
+    print("|---|---|" + "---|" * len(rows))
+    for kind, packed in weights.items():
+        per_weight = packed.numel() * packed.element_size() / (n * k)
+        cells = []
+        for m in rows:
+            s = statistics.median(times[kind, m])
+            fp32 = statistics.median(times["F32", m])
+            cells.append(
+                f"{2 * m * n * k / s / 1e9:.1f}, {per_weight * n * k / s / 1e9:.1f}, {fp32 / s:.2f}"
+            )
+        print(f"| {kind} | {per_weight:.3f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
