@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +52,9 @@ class LayerWeights:
 @dataclass
 class Weights:
     embed: torch.Tensor
-    layers: list[LayerWeights]
+    # Read from the file as they are taken, once: the model packs one layer while the next is
+    # still on disk, so no unpacked copy of the whole model is ever held.
+    layers: Iterator[LayerWeights]
     final_norm: torch.Tensor
     lm_head: torch.Tensor
 
@@ -104,6 +107,26 @@ def load_model(
             f"{path} is a safetensors directory"
         )
     return _load_safetensors_dir(path, progress)
+
+
+def _read_layers(
+    config: ModelConfig,
+    read: Callable[[str], torch.Tensor],
+    prefix: str,
+    names: dict[str, str],
+    desc: str,
+    progress: bool,
+    unpermute: bool = False,
+) -> Iterator[LayerWeights]:
+    """The layers, read and fused one at a time (the parts go as soon as they are fused).
+    unpermute: Q/K rows in llama.cpp's order for its RoPE, put back in HF order."""
+    for i in tqdm(range(config.num_layers), desc=desc, unit="layer", disable=not progress):
+        p = f"{prefix}{i}."
+        t = {p + n: read(p + n) for n in _layer_names(config, names)}
+        if unpermute:
+            for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
+                t[p + names[name]] = _unpermute_rope(t[p + names[name]], heads)
+        yield _fuse(config, t, p, names)
 
 
 def _fuse(
@@ -393,7 +416,7 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
 
 
-def _kept_line(path: Path, linear_tensors: list, blocks: dict) -> str:
+def _kept_line(path: Path, linear_tensors: list, kept: set[str]) -> str:
     """One line on what stayed in blocks and what was dequantized, bytes per GGUF type."""
 
     def summary(tensors):
@@ -404,13 +427,48 @@ def _kept_line(path: Path, linear_tensors: list, blocks: dict) -> str:
             count[1] += t.n_bytes
         return ", ".join(f"{n} {kind} ({_size(b)})" for kind, (n, b) in by_type.items())
 
-    kept = [t for t in linear_tensors if t.name in blocks]
-    rest = [t for t in linear_tensors if t.name not in blocks]
-    line = f"{path.name}: linear weights kept in blocks: {summary(kept) or 'none'}"
+    rest = [t for t in linear_tensors if t.name not in kept]
+    line = f"{path.name}: linear weights kept in blocks: "
+    line += summary([t for t in linear_tensors if t.name in kept]) or "none"
     if rest:
         fp32 = _size(sum(t.n_elements for t in rest) * 4)
         line += f"; dequantized to float32 ({fp32}): {summary(rest)}"
     return line
+
+
+def _dequantize_rows(data: np.ndarray, kind, dequantize) -> np.ndarray:
+    """gguf's dequantize of a tensor into one fp32 array, a few MB of rows at a time: at
+    once, its temporaries would be several times the tensor's fp32 size."""
+    if data.ndim < 2:
+        return np.array(dequantize(data, kind), dtype=np.float32)
+    step = max(1, (4 << 20) // data[0].nbytes)
+    first = dequantize(data[:step], kind)
+    out = np.empty((data.shape[0], first.shape[1]), dtype=np.float32)
+    out[:step] = first
+    for row in range(step, data.shape[0], step):
+        out[row : row + step] = dequantize(data[row : row + step], kind)
+    return out
+
+
+def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8: bool) -> set[str]:
+    """The linear weights --dtype gguf (int8: gguf-int8) keeps in blocks; a fused matrix
+    (Q/K/V, gate/up) is all blocks or all fp32."""
+    kept = set()
+    for t in linear_tensors:
+        kind = t.tensor_type.name
+        if int8 and kind not in INT8_BLOCK_TYPES:
+            raise ModelLoadError(
+                f"--dtype gguf-int8 runs on {', '.join(INT8_BLOCK_TYPES)} blocks; {t.name} is "
+                f"{kind} in {path.name}: use --dtype gguf, which computes it exactly"
+            )
+        if kind in BLOCK_BYTES:
+            kept.add(t.name)
+    for i in range(config.num_layers):
+        for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
+            names = {f"blk.{i}.{n}.weight" for n in group}
+            if not names <= kept:
+                kept -= names
+    return kept
 
 
 def _load_gguf(
@@ -420,7 +478,7 @@ def _load_gguf(
     from gguf.quants import dequantize
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFReader(str(path))  # memory-maps the file
     except Exception as e:  # the gguf package raises bare ValueError/struct errors
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     config = gguf_model_config(reader)
@@ -428,50 +486,34 @@ def _load_gguf(
         path, {t.name for t in reader.tensors}, _gguf_tensor_names(config), ["rope_freqs.weight"]
     )
     head, linear_tensors = _gguf_linear_tensors(reader, config)
-    blocks: dict[str, torch.Tensor] = {}
+    kept = _kept_in_blocks(path, config, linear_tensors, int8) if keep_blocks else set()
     if keep_blocks:
-        for t in linear_tensors:
-            kind = t.tensor_type.name
-            if int8 and kind not in INT8_BLOCK_TYPES:
-                raise ModelLoadError(
-                    f"--dtype gguf-int8 runs on {', '.join(INT8_BLOCK_TYPES)} blocks; {t.name} is "
-                    f"{kind} in {path.name}: use --dtype gguf, which computes it exactly"
-                )
-            if kind in BLOCK_BYTES:
-                blocks[t.name] = gguf_blocks(t.data, kind)
-        for i in range(config.num_layers):  # a fused matrix is all blocks or all fp32
-            for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
-                names = [f"blk.{i}.{n}.weight" for n in group]
-                if not all(n in blocks for n in names):
-                    for n in names:
-                        blocks.pop(n, None)
-        log.info(_kept_line(path, linear_tensors, blocks))
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        if t.name == "rope_freqs.weight":  # read into the config
-            continue
-        if t.name not in blocks or t.name == "token_embd.weight":  # the embedding lookup needs fp32
-            tensors[t.name] = torch.from_numpy(
-                np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-            )
-    embed = tensors["token_embd.weight"]
-    linear = tensors | blocks
-    if config.architecture == "llama":  # llama.cpp permutes Q/K rows of Llama models only
-        for i in range(config.num_layers):
-            p = f"blk.{i}."
-            linear[p + "attn_q.weight"] = _unpermute_rope(
-                linear[p + "attn_q.weight"], config.num_heads
-            )
-            linear[p + "attn_k.weight"] = _unpermute_rope(
-                linear[p + "attn_k.weight"], config.num_kv_heads
-            )
+        log.info(_kept_line(path, linear_tensors, kept))
+    by_name = {t.name: t for t in reader.tensors}
+
+    def fp32(name: str) -> torch.Tensor:
+        t = by_name[name]
+        return torch.from_numpy(_dequantize_rows(t.data, t.tensor_type, dequantize))
+
+    def read(name: str) -> torch.Tensor:
+        t = by_name[name]
+        return gguf_blocks(t.data, t.tensor_type.name) if name in kept else fp32(name)
+
+    embed = fp32("token_embd.weight")  # the embedding lookup needs fp32
     weights = Weights(
         embed=embed,
-        layers=[
-            _fuse(config, linear, f"blk.{i}.", _GGUF_LAYER_NAMES) for i in range(config.num_layers)
-        ],
-        final_norm=tensors["output_norm.weight"],
-        lm_head=linear[head],
+        # llama.cpp permutes the Q/K rows of Llama models only
+        layers=_read_layers(
+            config,
+            read,
+            "blk.",
+            _GGUF_LAYER_NAMES,
+            f"loading {path.name}",
+            progress,
+            unpermute=config.architecture == "llama",
+        ),
+        final_norm=fp32("output_norm.weight"),
+        lm_head=embed if head == "token_embd.weight" and head not in kept else read(head),
     )
     return config, weights
 
@@ -578,7 +620,7 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
 
 
 def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weights]:
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     generation = path / "generation_config.json"
     config = hf_model_config(
@@ -588,25 +630,25 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in tqdm(files, desc=f"loading {path.name}", unit="file", disable=not progress):
-        tensors.update({k: v.float() for k, v in load_file(str(f)).items()})
+    handles = [safe_open(str(f), framework="pt") for f in files]  # tensors read on demand
+    by_name = {name: h for h in handles for name in h.keys()}
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config.num_layers):
         expected |= {f"model.layers.{i}.{n}" for n in _layer_names(config, _HF_LAYER_NAMES)}
     # a tied lm_head.weight may be saved too; inv_freq is RoPE's table, recomputed
-    _check_tensors(path, set(tensors), expected, ["lm_head.weight", "rotary_emb.inv_freq"])
-    embed = tensors["model.embed_tokens.weight"]
-    lm_head = tensors.get("lm_head.weight")
-    if config.tie_word_embeddings or lm_head is None:
-        lm_head = embed
+    _check_tensors(path, set(by_name), expected, ["lm_head.weight", "rotary_emb.inv_freq"])
+
+    def read(name: str) -> torch.Tensor:
+        return by_name[name].get_tensor(name).float()
+
+    embed = read("model.embed_tokens.weight")
+    untied = not config.tie_word_embeddings and "lm_head.weight" in by_name
     weights = Weights(
         embed=embed,
-        layers=[
-            _fuse(config, tensors, f"model.layers.{i}.", _HF_LAYER_NAMES)
-            for i in range(config.num_layers)
-        ],
-        final_norm=tensors["model.norm.weight"],
-        lm_head=lm_head,
+        layers=_read_layers(
+            config, read, "model.layers.", _HF_LAYER_NAMES, f"loading {path.name}", progress
+        ),
+        final_norm=read("model.norm.weight"),
+        lm_head=read("lm_head.weight") if untied else embed,
     )
     return config, weights
