@@ -6,6 +6,7 @@ import statistics
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 from kvfence import SamplingParams  # before torch: it sets libgomp's wait as torch loads it
 
@@ -218,3 +219,34 @@ def run_kvfence(llm, workload, temperature: float = 0.0, top_p: float = 1.0) -> 
         "tok_s": generated / elapsed,
         "generation_tok_s": generation_tokens / generation_s if generation_s else None,
     }
+
+
+def hf_model(model_path: Path):
+    """The GGUF file through transformers, dequantized to fp32 at load."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
+    )
+
+
+def save_safetensors(model, directory: Path) -> None:
+    """transformers refuses to save a model loaded from GGUF; a plain copy of it saves."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.save_pretrained(directory)
+
+
+def export_safetensors(model_path: Path, directory: Path) -> None:
+    """The GGUF model, dequantized, as a safetensors directory with its tokenizer: what vLLM
+    loads."""
+    from transformers import AutoTokenizer
+
+    save_safetensors(hf_model(model_path), directory)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
+    tokenizer.save_pretrained(directory)

@@ -32,8 +32,10 @@ from pathlib import Path
 
 from common import (
     checked_fma_peak,
+    export_safetensors,
     flops_per_token,
     fma_peak_gflops,
+    hf_model,
     machine_line,
     matmul_peak_gflops,
     mixed_workload,
@@ -64,15 +66,6 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int = 128, steps: int = 24) ->
         if decoding and len(outs) == batch:
             times.append(time.perf_counter() - t)
     return batch / statistics.median(times)
-
-
-def hf_model(model_path: Path):
-    """The GGUF file through transformers, dequantized to fp32 at load."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(model_path.parent), gguf_file=model_path.name, dtype=torch.float32
-    )
 
 
 def run_transformers(
@@ -111,18 +104,6 @@ def run_transformers(
         "seconds": elapsed,
         "tok_s": generated / elapsed,
     }
-
-
-def save_safetensors(model, directory: Path) -> None:
-    """transformers refuses to save a model loaded from GGUF; a plain copy of it saves."""
-    from transformers import AutoModelForCausalLM
-
-    config = model.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict())
-    plain.save_pretrained(directory)
 
 
 class Peer:
@@ -172,14 +153,7 @@ def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> di
     (tmp / "workload.json").write_text(json.dumps(workloads))
     peers = {}
     if args.vllm_python:
-        from transformers import AutoTokenizer
-
-        save_safetensors(
-            hf_model(model_path), tmp / "model"
-        )  # vLLM loads safetensors, not this GGUF file
-        AutoTokenizer.from_pretrained(
-            str(model_path.parent), gguf_file=model_path.name
-        ).save_pretrained(tmp / "model")
+        export_safetensors(model_path, tmp / "model")  # vLLM loads safetensors, not GGUF
         for spec in args.vllm_dtypes.split(","):
             dtype, _, kv_cache_dtype = spec.partition(":")
             name = f"vllm-{dtype}" + (f"-kv-{kv_cache_dtype}" if kv_cache_dtype else "")

@@ -5,8 +5,10 @@ import json
 import logging
 import sys
 from dataclasses import Field, fields
+from pathlib import Path
 from typing import Any
 
+from kvfence.audit import CHECKS as AUDIT_CHECKS
 from kvfence.config import ConfigError, EngineConfig, choices, option_types, value_type
 from kvfence.server.options import ServerConfig
 
@@ -284,13 +286,19 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def cmd_audit(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvfence.audit.auditor import AuditError, Auditor, format_report
+    from kvfence.audit.auditor import AuditError, Auditor
+    from kvfence.audit.report import format_report, junit_xml
 
     if not args.base_url and not args.workers:
         print(
             "kvfence audit: give --base-url URL, --workers URL ..., or both",
             file=sys.stderr,
         )
+        return 2
+    checks = tuple(c.strip() for c in args.checks.split(",") if c.strip())
+    unknown = sorted(set(checks) - set(AUDIT_CHECKS))
+    if unknown:
+        print(f"kvfence audit: unknown --checks {', '.join(unknown)}", file=sys.stderr)
         return 2
     auditor = Auditor(
         args.base_url,
@@ -303,6 +311,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         progress=not args.json,
         seed=args.seed,
         workers=args.workers,
+        checks=checks,
+        budget_minutes=args.budget_minutes,
+        alpha=args.alpha,
     )
     try:
         report = asyncio.run(auditor.run())
@@ -310,7 +321,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(f"kvfence audit: could not run: {e}", file=sys.stderr)
         return 2
     print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
-    return 1 if report.findings else 0
+    if args.junit_xml:
+        Path(args.junit_xml).write_text(junit_xml(report))
+    return report.exit_code(args.strict)
 
 
 def cmd_verify_log(args: argparse.Namespace) -> int:
@@ -471,7 +484,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="prefill and decode worker URLs: check from a client's position that their "
         "internal endpoints refuse client keys",
     )
+    p.add_argument(
+        "--checks",
+        default=",".join(AUDIT_CHECKS),
+        help=f"comma-separated checks to run, of {', '.join(AUDIT_CHECKS)} (default: all)",
+    )
+    p.add_argument(
+        "--budget-minutes",
+        type=float,
+        default=10.0,
+        help="time the audit may take; the prefix-cache test stops at it, decided or not",
+    )
+    p.add_argument(
+        "--alpha",
+        type=float,
+        default=0.01,
+        help="significance level of the prefix-cache test, shared among the pairs of keys",
+    )
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
+    p.add_argument("--junit-xml", metavar="FILE", help="also write the report as JUnit XML")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 on inconclusive checks too, not only findings"
+    )
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("verify-log", help="check a --request-log file's hash chain")

@@ -147,10 +147,19 @@ class EngineConfig:
         "rotate the request log past this size (FILE.1, FILE.2, ...; the chain continues)",
         metavar="MB",
     )
-    inject_fault: Literal["legacy-reject-path", "truncated-transfer"] | None = option(
+    inject_fault: (
+        Literal[
+            "legacy-reject-path",
+            "truncated-transfer",
+            "shared-prefix-cache",
+            "stale-lease",
+            "stale-block-reuse",
+        ]
+        | None
+    ) = option(
         None,
-        "TEST ONLY: re-create the 2026 KV leak, or ship truncated KV transfers; refused "
-        f"unless {ALLOW_FAULTS_ENV}=1 is in the environment",
+        "TEST ONLY: re-create a known KV leak (engine/faults.py); refused unless "
+        f"{ALLOW_FAULTS_ENV}=1 is in the environment",
     )
     seed: int | None = option(None, "seed of unseeded sampling (default: from the OS)")
 

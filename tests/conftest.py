@@ -7,7 +7,7 @@ import kvfence  # before torch: libgomp must load with its wait set (kvfence/ope
 # isort: split
 import torch
 
-from helpers import save_tiny_gguf, save_tiny_model, start_server, stop_server, write_tenant_keys
+from helpers import save_tiny_gguf, save_tiny_model, start_tenant_server, stop_server
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
@@ -78,22 +78,6 @@ def hf_reference(default_model_path):
 def server(tmp_path_factory):
     """A real `kvfence serve` process with two tenants' API keys."""
     tmp = tmp_path_factory.mktemp("server")
-    keys = write_tenant_keys(tmp)
-    proc, base = start_server(
-        tmp,
-        "serve",
-        "--api-keys",
-        str(keys),
-        "--max-model-len",
-        "1024",
-        "--num-kv-pages",
-        "640",
-        "--max-pending",
-        "72",
-        "--threads",
-        "2",
-        "--served-model-name",
-        "smollm2",
-    )
+    proc, base = start_tenant_server(tmp, "--num-kv-pages", "640", "--max-pending", "72")
     yield base
     stop_server(proc)

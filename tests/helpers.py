@@ -307,3 +307,40 @@ def wait_for_idle_pool(base: str, timeout: float = 30) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("KV pages still held by requests")
+
+
+def run_audit(base: str | None, *extra: str) -> tuple[int, dict | str]:
+    """Runs `kvfence audit --json` on `base`; returns its exit code and the report (or, when
+    it could not run, its stderr)."""
+    import json
+    import subprocess
+    import sys
+
+    target = ["--base-url", base] if base else []
+    r = subprocess.run(
+        [sys.executable, "-m", "kvfence.cli", "audit", *target, "--json", "--seed", "3", *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = r.stdout.strip()
+    return r.returncode, (json.loads(out) if out.startswith("{") else r.stderr + out)
+
+
+def start_tenant_server(tmp_path, *args: str, env: dict | None = None):
+    """`kvfence serve` with TENANT_KEYS' two tenants, served as model "smollm2"."""
+    keys = write_tenant_keys(tmp_path)
+    return start_server(
+        tmp_path,
+        "serve",
+        "--api-keys",
+        str(keys),
+        "--max-model-len",
+        "1024",
+        "--threads",
+        "2",
+        "--served-model-name",
+        "smollm2",
+        *args,
+        env=env,
+    )

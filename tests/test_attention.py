@@ -9,7 +9,7 @@ from kvfence import SamplingParams
 from kvfence.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.model.attention import AttentionMetadata, PrefillChunk, paged_attention
-from kvfence.model.kernels import decode_kernel
+from kvfence.model.kernels import cpu_variant, decode_kernel
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,9 @@ def test_kernel_matches_gathered_attention(kernel, dim, cache_dtype, heads, kv_h
 @pytest.mark.parametrize("dim", [64, 48])  # AVX-512 registers, and the plain loops
 def test_fp8_pool_reads_exactly_the_values_it_holds(kernel, dim):
     """The kernel widens fp8 e4m3 exactly, over every code (subnormals, the largest, negative
-    zero): with 64 dims (through fp16, scaled once per sum) it gives the bits of an fp32 pool
-    holding the same values; the plain loops, whose vectorized sums the compiler may order
-    otherwise for each pool type, agree to 1e-5 (subnormals read at half their value: 6e-3)."""
+    zero): with 64 dims on AVX-512 (through fp16, scaled once per sum) it gives the bits of an
+    fp32 pool holding the same values; the plain loops (other dims, or an AVX2 build), whose
+    vectorized sums the compiler may order otherwise for each pool type, agree to 1e-4."""
     q, k, v, table, lens = random_batch([1, 7, 40, 130], num_pages=64, dim=dim)
     codes = torch.arange(256, dtype=torch.uint8)
     codes = codes[~codes.view(torch.float8_e4m3fn).float().isnan()]  # 0x7f and 0xff are NaN
@@ -84,7 +84,7 @@ def test_fp8_pool_reads_exactly_the_values_it_holds(kernel, dim):
         kernel(q, k, v, table, lens, 5, 0.125),
         kernel(q, k.float(), v.float(), table, lens, 5, 0.125),
     )
-    if dim == 64:
+    if dim == 64 and cpu_variant() == "avx512":
         assert torch.equal(ours, ref)
     else:
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-4)

@@ -1,8 +1,6 @@
 """Isolation end to end: the incident replay, the sentinel, the auditor, check-config."""
 
 import json
-import subprocess
-import sys
 import threading
 
 import httpx
@@ -11,6 +9,7 @@ import pytest
 from helpers import (
     ALLOW_FAULTS,
     TENANT_KEYS,
+    run_audit,
     start_server,
     stop_server,
     wait_for_idle_pool,
@@ -29,31 +28,10 @@ FAULT = [
 ]
 
 
-def audit(base, *extra):
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "kvfence.cli",
-            "audit",
-            "--base-url",
-            base,
-            "--json",
-            "--seed",
-            "3",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    return r.returncode, (json.loads(r.stdout) if r.stdout.strip().startswith("{") else r.stderr)
-
-
 def test_incident_replay_with_sentinel_off_is_found_by_the_audit(tmp_path):
     proc, base = start_server(tmp_path, "serve", *FAULT, "--kv-sentinel", "off", env=ALLOW_FAULTS)
     try:
-        code, report = audit(base)
+        code, report = run_audit(base, "--checks", "canary,boundary,timing")
     finally:
         stop_server(proc)
     log = (tmp_path / f"server-{base.rsplit(':', 1)[1]}.log").read_text()
@@ -152,7 +130,7 @@ def test_clean_server_passes_an_adversarial_audit(tmp_path):
     try:
         t = threading.Thread(target=abort_streams)
         t.start()
-        code, report = audit(base, *key_args)
+        code, report = run_audit(base, *key_args)
         t.join()
         preemptions = [
             line
@@ -173,10 +151,12 @@ def test_clean_server_passes_an_adversarial_audit(tmp_path):
     assert {"boundary", "consistency", "canary leak", "timing and accounting"} <= set(
         report["passed"]
     )
+    assert any(p.startswith("cross-key prefix cache (key 1 -> key 2") for p in report["passed"])
+    assert [t["verdict"] for t in report["cache"]] == ["shared", "not shared"], report["cache"]
 
 
 def test_audit_exits_2_when_it_cannot_run():
-    code, err = audit("http://127.0.0.1:9")
+    code, err = run_audit("http://127.0.0.1:9")
     assert code == 2 and "could not run" in err
 
 

@@ -185,3 +185,29 @@ def test_sentinel_catches_a_shared_page_read_without_its_own_reference(vectorize
     assert a.release_references(8) == cached  # LLMEngine.release, by the records
     assert "without references" in check_block_table(a, *copiers[0])
     assert a.refcount[cached[0]] == 1 and check_block_table(a, *holder) is None
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_sentinel_catches_a_page_reissued_while_lent_to_a_transfer(vectorized, monkeypatch):
+    """A parked prefill's pages freed before its reader is done (a lease cut short): whoever
+    is given them next is refused until the loan ends, by the reader's release or by time."""
+    import time
+
+    monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
+    a = PageAllocator(8, 4)
+    parked, _ = granted(a, 1, 2, 8)
+    a.lend(parked, time.monotonic() + 60)
+    a.free_owner(1)  # the fault: freed while lent
+    reused, gens = granted(a, 2, 2, 0)
+    assert sorted(reused) == sorted(parked), "the stack reissues the freshest pages first"
+    other, other_gens = granted(a, 3, 1, 0)
+    batch = [
+        TableCheck(2, ALICE, reused, gens, 0, 0, 5),
+        TableCheck(3, ALICE, other, other_gens, 0, 0, 1),
+    ]
+    problems = check_batch(a, batch)
+    assert "lent to a KV transfer" in problems[0] and problems[1] is None
+    a.end_loan(parked)
+    assert check_batch(a, batch) == [None, None]
+    a.lend(parked, time.monotonic() - 1)  # a loan whose lease is over binds nobody
+    assert check_batch(a, batch) == [None, None]

@@ -75,6 +75,8 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
             if deadline < now:
                 manifests.pop(tid, None)
         lease_end = s.engine.remote.lease_end.get(rid, time.monotonic())  # gone: it ended
+        pages = list(req.block_table[: manifest.page_count])
+        await s.async_engine.call(lambda e: e.remote.export(rid, pages, lease_end))
         manifests[rid] = (lease_end, {"tenant": p.tenant, **manifest.to_dict()})
         transfer.expect(rid, lease_end)
         return {

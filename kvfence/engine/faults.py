@@ -9,27 +9,47 @@ prefill side shipped one token of KV and the decode side decoded over its whole 
 
 `truncated-transfer` makes a prefill worker ship less KV than its manifest promises.
 
+`shared-prefix-cache` keys the prefix cache without the tenant, as vLLM did before
+`cache_salt` (CVE-2025-46570) and SGLang's HiCache L3 tier did (sglang #26747): one tenant's
+prompt then serves, and times, another's. The pages still record who cached them.
+
+`stale-lease` frees a parked prefill's pages as its manifest goes out, while the manifest
+promises the reader its whole lease, and the decode side skips the checksums: the read copies
+whatever the pages hold by then (vLLM's NIXL connector after a lease expiry served 8 of 42
+requests from freed blocks with HTTP 200, aws-do-eks #84).
+
+`stale-block-reuse` lets a finished reader of prefix-cache pages drop every reference to
+them, so they are evicted and reissued while other requests still hold them in their block
+tables (vLLM #52234 answered "the previous prompt's answer" with HTTP 200; SGLang #34208).
+
 Nothing here runs unless the fault is injected, which the configuration allows only with
 KVFENCE_ALLOW_FAULTS=1; it exists so tests can show that the sentinel stops each fault and
 that `kvfence audit` detects it when the sentinel is off.
 """
 
 import logging
+import time
 
 from kvfence.engine.admission import Admission
 from kvfence.engine.remote_kv import RemoteKV
 from kvfence.engine.request import Request, RequestState
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.kv.allocator import PREFIX_OWNER
+from kvfence.kv.prefix_cache import PrefixCache
 
 LEGACY_REJECT_PATH = "legacy-reject-path"
 TRUNCATED_TRANSFER = "truncated-transfer"
+SHARED_PREFIX_CACHE = "shared-prefix-cache"
+STALE_LEASE = "stale-lease"
+STALE_BLOCK_REUSE = "stale-block-reuse"
+LATE_READ_S = 0.3  # stale-lease: how late each read starts
 LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
 
 log = logging.getLogger("kvfence.fault")
 
 
-def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV]]:
-    """The admission and remote-KV classes an engine is built with."""
+def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV], type[PrefixCache]]:
+    """The admission, remote-KV and prefix-cache classes an engine is built with."""
     if fault == LEGACY_REJECT_PATH:
         log.warning(
             "!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token "
@@ -40,10 +60,16 @@ def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV]]:
             "!!! FAULT INJECTED: the KV pool may be smaller than max_model_len; the start-up "
             "check is skipped !!!"
         )
-        return LegacyAdmission, LegacyRemoteKV
+        return LegacyAdmission, LegacyRemoteKV, PrefixCache
     if fault:
         log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", fault)
-    return Admission, RemoteKV
+    if fault == SHARED_PREFIX_CACHE:
+        return Admission, RemoteKV, TenantBlindPrefixCache
+    if fault == STALE_LEASE:
+        return Admission, EarlyFreeRemoteKV, PrefixCache
+    if fault == STALE_BLOCK_REUSE:
+        return Admission, RemoteKV, ReferenceDroppingPrefixCache
+    return Admission, RemoteKV, PrefixCache
 
 
 def transfer_class(base: type, fault: str | None) -> type:
@@ -52,6 +78,8 @@ def transfer_class(base: type, fault: str | None) -> type:
         return type("TruncatedTransfer", (TruncatedTransfer, base), {})
     if fault == LEGACY_REJECT_PATH:
         return type("UncheckedTransfer", (UncheckedTransfer, base), {})
+    if fault == STALE_LEASE:
+        return type("LateUncheckedTransfer", (LateReader, base), {})
     return base
 
 
@@ -144,14 +172,11 @@ class LegacyRemoteKV(RemoteKV):
 
 
 class UncheckedTransfer:
-    """Decode side of the P/D replay: the legacy decoder checked neither the manifest nor
-    the pages' checksums."""
+    """Decode side of the P/D replay and of stale-lease: the decoder checks neither the
+    manifest nor the pages' checksums."""
 
     def verify(self, manifest, expected_tokens: int, sums=None) -> None:
-        log.warning(
-            "!!! FAULT legacy-reject-path: transfer %s not checked",
-            manifest.transfer_id,
-        )
+        log.warning("!!! FAULT: transfer %s not checked", manifest.transfer_id)
 
 
 class TruncatedTransfer:
@@ -170,3 +195,42 @@ class TruncatedTransfer:
             layer = (i // n) % manifest.num_layers
             manifest.descs[i][0] = self.address(tensor, layer, pool.scratch_slot)
         return manifest
+
+
+class TenantBlindPrefixCache(PrefixCache):
+    """Pages found by their tokens alone: every tenant hits every other tenant's prefixes."""
+
+    def chain_keys(self, tenant: str, token_ids: list[int], num_pages: int) -> list[bytes]:
+        return super().chain_keys("", token_ids, num_pages)
+
+
+class LateReader(UncheckedTransfer):
+    """Decode side of stale-lease: each read starts late, as under load, within the lease the
+    manifest promised."""
+
+    def read(self, manifest, pages: list[int], deadline: float) -> None:
+        time.sleep(LATE_READ_S)
+        super().read(manifest, pages, deadline)
+
+
+class EarlyFreeRemoteKV(RemoteKV):
+    """The parked pages are freed as the manifest goes out, as if the lease had ended; the
+    loan (what the sentinel checks) still runs to the lease's end or the reader's release."""
+
+    def export(self, request_id: str, pages: list[int], until: float) -> None:
+        super().export(request_id, pages, until)
+        log.warning(
+            "!!! FAULT stale-lease: request %s's pages freed before its reader pulled them",
+            request_id,
+        )
+        self.free_parked(request_id)
+
+
+class ReferenceDroppingPrefixCache(PrefixCache):
+    """The first reader to finish drops every reader's reference to the pages it read."""
+
+    def release(self, owner: int) -> None:
+        for page in self.allocator.references.pop(owner, []):
+            if self.allocator.owner[page] == PREFIX_OWNER:  # not yet reissued
+                self.allocator.refcount[page] = 0
+                self.lru[page] = None

@@ -25,7 +25,6 @@ from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
-from kvfence.kv.prefix_cache import PrefixCache
 from kvfence.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvfence.engine")
@@ -45,7 +44,7 @@ class LLMEngine:
         self.model_path, self.model_config, model = build_model(config, progress)
         path = self.model_path
         self.model_name = path.stem if path.is_file() else path.name
-        admission_cls, remote_cls = faults.engine_parts(config.inject_fault)
+        admission_cls, remote_cls, prefix_cache_cls = faults.engine_parts(config.inject_fault)
         self.tokenizer = load_tokenizer(path)
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = {t for t in eos if t is not None}
@@ -59,7 +58,7 @@ class LLMEngine:
         )
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.prefix_cache = (
-            PrefixCache(self.allocator, self._scrub) if config.prefix_cache else None
+            prefix_cache_cls(self.allocator, self._scrub) if config.prefix_cache else None
         )
         self.scheduler = Scheduler(
             self.allocator,

@@ -3,7 +3,9 @@ for a decode worker to pull, and pages reserved for KV arriving from a prefill w
 
 Pages under transfer are never freed while the transport may still touch them: a parked
 request's pages stay until its reader is done or its lease ends, a receiving request's until
-its read has returned (end_transfer), even if the request was aborted meanwhile.
+its read has returned (end_transfer), even if the request was aborted meanwhile. Exported
+pages are also lent (allocator.lend) for as long, so that the sentinel refuses any request
+given one of them early.
 """
 
 import logging
@@ -21,6 +23,7 @@ class RemoteKV:
         self.parked: dict[str, Request] = {}  # prefilled, pages held for a decode worker
         self.receiving: dict[str, Request] = {}  # pages reserved for KV being read into them
         self.lease_end: dict[str, float] = {}  # when each parked request's pages are freed
+        self.loans: dict[str, list[int]] = {}  # exported pages a reader may still copy
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.parked or request_id in self.receiving
@@ -49,8 +52,18 @@ class RemoteKV:
         self.lease_end[req.parent_id] = time.monotonic() + req.lease_s
         self.parked[req.parent_id] = req
 
+    def export(self, request_id: str, pages: list[int], until: float) -> None:
+        """A manifest of a parked request's pages goes out: a reader may copy them until
+        `until` (its lease, time.monotonic) or until release_parked."""
+        self.loans[request_id] = pages
+        self.engine.allocator.lend(pages, until)
+
     def release_parked(self, request_id: str) -> None:
-        """The parked KV was pulled, or its lease ended: free its pages."""
+        """The parked KV was pulled, or its lease ended: end its loan and free its pages."""
+        self.engine.allocator.end_loan(self.loans.pop(request_id, []))
+        self.free_parked(request_id)
+
+    def free_parked(self, request_id: str) -> None:
         req = self.parked.pop(request_id, None)
         self.lease_end.pop(request_id, None)
         if req is not None and not req.is_terminal:

@@ -8,6 +8,9 @@ entry copied from another request's table, never matches what was recorded at gr
 `written` counts the slots of a page its owner has filled, so nobody can read a slot that
 was not written for them. A prefix-cache page also records the
 tenant that cached it and which requests hold its references, for the sentinel to check.
+A page whose KV a transfer may still read (a parked prefill's, until its reader is done or
+its lease ends) is lent: the record outlives the page's owner, so the sentinel sees a page
+reused while a reader may still be copying it.
 """
 
 from collections import deque
@@ -37,6 +40,7 @@ class PageAllocator:
         self.tenant = np.full(num_pages, NO_TENANT, dtype=np.int64)
         self.references: dict[int, list[int]] = {}  # owner -> shared pages it holds, in table order
         self._tenant_numbers: dict[str, int] = {}
+        self.lent_until = np.zeros(num_pages)  # monotonic time until which a transfer may read
         # A stack: the most recently freed pages, still warm in cache, are reused first.
         self._free = deque(reversed(range(num_pages)))
 
@@ -96,6 +100,13 @@ class PageAllocator:
         if self.owner[page] != owner:
             raise OwnershipError(f"owner {owner} wrote page {page} owned by {self.owner[page]}")
         self.written[page] = max(self.written[page], upto)
+
+    def lend(self, pages: list[int], until: float) -> None:
+        """A transfer may read `pages` until `until` (time.monotonic) or end_loan."""
+        self.lent_until[pages] = until
+
+    def end_loan(self, pages: list[int]) -> None:
+        self.lent_until[pages] = 0.0
 
     # --- shared prefix pages ---------------------------------------------------------
 

@@ -36,13 +36,16 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self.lru)
 
+    def chain_keys(self, tenant: str, token_ids: list[int], num_pages: int) -> list[bytes]:
+        return page_keys(tenant, token_ids, self.allocator.page_size, num_pages)
+
     def lookup(self, tenant: str, owner: int, token_ids: list[int]) -> list[int]:
         """Takes, for `owner`, a reference on the longest cached run of full pages that leaves
         at least one prompt token to compute (its logits give the first output token)."""
         ps = self.allocator.page_size
         usable = (len(token_ids) - 1) // ps
         found = []
-        for key in page_keys(tenant, token_ids, ps, usable):
+        for key in self.chain_keys(tenant, token_ids, usable):
             page = self.pages.get(key)
             if page is None:
                 break
@@ -67,7 +70,7 @@ class PrefixCache:
         shared leading pages."""
         ps = self.allocator.page_size
         full = len(token_ids) // ps
-        keys = page_keys(tenant, token_ids, ps, full)
+        keys = self.chain_keys(tenant, token_ids, full)
         for i in range(num_shared, full):
             page = block_table[i]
             if (

@@ -2,10 +2,11 @@
 
 For each request in the batch: every page of its block table is owned by it (or is a
 prefix-cache page of its own tenant's cache that it holds a reference to), still carries
-the generation it had when it was granted, and every position attention will read was
-written for this request.
+the generation it had when it was granted, is not lent to a KV transfer that may still read
+it, and every position attention will read was written for this request.
 """
 
+import time
 from typing import NamedTuple
 
 import numpy as np
@@ -58,6 +59,9 @@ def check_block_table(
     for i, p in enumerate(pages):
         if issued[i] != generations[i]:
             return f"page {p} was freed and reissued since it was granted (generation changed)"
+    lent = allocator.lent_until[pages] > time.monotonic()
+    if lent.any():
+        return f"page {pages[lent.argmax()]} is still lent to a KV transfer that may read it"
     if num_shared:
         problem = check_shared_prefix(allocator, owner, tenant, pages[:num_shared])
         if problem:
@@ -134,6 +138,7 @@ def check_batch(allocator: PageAllocator, entries: list[TableCheck]) -> list[str
         and (allocator.refcount[pages[is_shared]] > 0).all()
         and (allocator.tenant[pages[is_shared]] == expected_tenant[is_shared]).all()
         and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all()
+        and (allocator.lent_until[pages] <= time.monotonic()).all()
         and (allocator.written[pages] >= required).all()
         and all(
             allocator.holds_shared(e.owner, e.block_table[: e.num_shared])

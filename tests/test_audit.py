@@ -1,0 +1,75 @@
+"""`kvfence audit`'s prefix-cache probe and its report: the verdict rules on fixed samples, and
+end to end against real servers with and without a prefix cache shared across tenants."""
+
+import random
+import xml.etree.ElementTree as ET
+
+from helpers import TENANT_KEYS, run_audit, start_tenant_server, stop_server
+from kvfence.audit.cache_probe import MIN_TRIALS, NEGATIVE_TRIALS, CacheTest, Calibration
+from kvfence.audit.report import Finding, Report, junit_xml
+
+KEY_ARGS = [a for k in TENANT_KEYS for a in ("--api-key", k)]
+CALIBRATION = Calibration(noise_s=0.002, per_word_s=0.0005, words=100, expected_gap_s=0.05)
+
+
+def samples(rng, centre, n, spread=0.002):
+    return [centre + rng.gauss(0, spread) for _ in range(n)]
+
+
+def test_cache_verdicts_follow_the_samples():
+    rng = random.Random(0)
+    shared = CacheTest(0, 1, alpha=0.005)
+    shared.hit_s, shared.miss_s = samples(rng, 0.05, 7), samples(rng, 0.10, 7)
+    assert not shared.decide(CALIBRATION, final=False), "no verdict before MIN_TRIALS"
+    shared.hit_s.append(0.05)
+    shared.miss_s.append(0.10)
+    assert shared.decide(CALIBRATION, final=False) and shared.verdict == "shared"
+    assert shared.p_value < 0.005 and shared.statistic == 1.0
+
+    fresh = CacheTest(0, 1, alpha=0.005)
+    fresh.hit_s, fresh.miss_s = samples(rng, 0.10, MIN_TRIALS), samples(rng, 0.10, MIN_TRIALS)
+    assert not fresh.decide(CALIBRATION, final=False), "too few trials to call it not shared"
+    assert fresh.decide(CALIBRATION, final=True) is False and fresh.verdict == "inconclusive"
+    fresh.hit_s += samples(rng, 0.10, NEGATIVE_TRIALS)
+    fresh.miss_s += samples(rng, 0.10, NEGATIVE_TRIALS)
+    assert fresh.decide(CALIBRATION, final=False) and fresh.verdict == "not shared"
+
+    # a speed-up lost in noise is neither proof of a cache nor of its absence
+    small = CacheTest(0, 1, alpha=1e-6)
+    small.hit_s, small.miss_s = samples(rng, 0.07, 30, 0.04), samples(rng, 0.10, 30, 0.04)
+    assert not small.decide(CALIBRATION, final=True) and small.verdict == "inconclusive"
+    assert "budget spent" in small.reason
+
+
+def test_report_exit_codes_and_junit():
+    report = Report("http://x", passed=["boundary"], inconclusive=["cross-key prefix cache"])
+    assert report.verdict == "inconclusive"
+    assert report.exit_code(strict=False) == 0 and report.exit_code(strict=True) == 1
+    suite = ET.fromstring(junit_xml(report))
+    assert suite.get("tests") == "2" and suite.get("skipped") == "1"
+    report.findings.append(Finding("cross-key-cache", "one cache", {"p_value": 1e-5}))
+    assert report.exit_code(strict=False) == 1
+    suite = ET.fromstring(junit_xml(report))
+    failure = suite.find("testcase/failure")
+    assert suite.get("failures") == "1" and failure.get("type") == "cross-key-cache"
+    assert "p_value: 1e-05" in failure.text
+
+
+def test_no_visible_cache_is_inconclusive_never_clean(tmp_path):
+    """Without a prefix cache the positive control sees none, so the cross-key test cannot
+    say "not shared": it is inconclusive, which --strict turns into exit 1."""
+    proc, base = start_tenant_server(tmp_path, "--no-prefix-cache")
+    junit = tmp_path / "audit.xml"
+    try:
+        args = ["--checks", "cache", "--budget-minutes", "2", "--junit-xml", str(junit)]
+        code, report = run_audit(base, *KEY_ARGS, *args, "--strict")
+    finally:
+        stop_server(proc)
+    assert code == 1 and report["verdict"] == "inconclusive" and not report["findings"], report
+    (control,) = report["cache"]
+    assert control["verdict"] == "not shared" and control["attacker_key"] == 1
+    assert control["max_cached_tokens"] == 0, "kvfence reports cached tokens, none here"
+    (cross,) = [t for t in report["inconclusive"] if t.startswith("cross-key prefix cache")]
+    assert "no cache visible" in cross
+    skipped = ET.parse(junit).getroot().findall("testcase/skipped")
+    assert [s.get("message") for s in skipped] == [f"inconclusive: {cross}"]
