@@ -314,6 +314,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         checks=checks,
         budget_minutes=args.budget_minutes,
         alpha=args.alpha,
+        cache_min_tokens=args.cache_min_tokens,
     )
     try:
         report = asyncio.run(auditor.run())
@@ -500,6 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0.01,
         help="significance level of the prefix-cache test, shared among the pairs of keys",
+    )
+    p.add_argument(
+        "--cache-min-tokens",
+        type=int,
+        default=1024,
+        help="shortest prompt of the prefix-cache test (within the context): caches share "
+        "whole blocks, or only long prompts",
     )
     p.add_argument("--json", action="store_true", help="print a machine-readable report")
     p.add_argument("--junit-xml", metavar="FILE", help="also write the report as JUnit XML")

@@ -61,7 +61,7 @@ def test_no_visible_cache_is_inconclusive_never_clean(tmp_path):
     proc, base = start_tenant_server(tmp_path, "--no-prefix-cache")
     junit = tmp_path / "audit.xml"
     try:
-        args = ["--checks", "cache", "--budget-minutes", "2", "--junit-xml", str(junit)]
+        args = ["--checks", "cache", "--cache-min-tokens", "128", "--junit-xml", str(junit)]
         code, report = run_audit(base, *KEY_ARGS, *args, "--strict")
     finally:
         stop_server(proc)

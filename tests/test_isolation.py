@@ -130,7 +130,7 @@ def test_clean_server_passes_an_adversarial_audit(tmp_path):
     try:
         t = threading.Thread(target=abort_streams)
         t.start()
-        code, report = run_audit(base, *key_args)
+        code, report = run_audit(base, *key_args, "--cache-min-tokens", "128")
         t.join()
         preemptions = [
             line

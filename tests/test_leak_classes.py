@@ -97,7 +97,7 @@ def assert_served_answers_are_exact(responses, reference: dict[str, str]) -> int
 def test_shared_prefix_cache_is_found_by_the_audit(tmp_path):
     fault = ["--inject-fault", "shared-prefix-cache", "--kv-sentinel", "off"]
     proc, base = start_tenant_server(tmp_path, *fault, env=ALLOW_FAULTS)
-    checks = ["--checks", "cache", "--budget-minutes", "3"]
+    checks = ["--checks", "cache", "--cache-min-tokens", "128", "--budget-minutes", "3"]
     code, report = audit_then_stop([proc], base, *KEY_ARGS, *checks)
     assert code == 1, report
     (finding,) = [f for f in report["findings"] if f["check"] == "cross-key-cache"]

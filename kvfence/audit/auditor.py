@@ -53,6 +53,7 @@ class Auditor:
         checks: tuple[str, ...] = CHECKS,
         budget_minutes: float = 10.0,
         alpha: float = 0.01,
+        cache_min_tokens: int = 1024,
     ):
         self.base = base_url.rstrip("/") if base_url else None
         self.workers = list(workers or [])
@@ -65,6 +66,7 @@ class Auditor:
         self.checks = checks
         self.budget_s = 60 * budget_minutes
         self.alpha = alpha
+        self.cache_min_tokens = cache_min_tokens
         self.started = time.monotonic()
 
     def find(self, check: str, message: str, **detail) -> None:
@@ -232,7 +234,9 @@ class Auditor:
         probe = CacheProbe(self.client, self.rng)
         pairs = list(itertools.combinations(range(len(self.keys)), 2))
         try:
-            calibration = await probe.calibrate(min(int(room / tokens_per_word), MAX_WORDS))
+            max_words = min(int(room / tokens_per_word), MAX_WORDS)
+            min_words = int(self.cache_min_tokens / tokens_per_word) + 1
+            calibration = await probe.calibrate(min(min_words, max_words), max_words)
             if calibration.problem:
                 self.report.inconclusive.append(f"prefix cache: {calibration.problem}")
                 return

@@ -5,7 +5,9 @@ Each trial, the victim key sends a fresh random prompt; the attacker key then se
 prompt sharing its first 95% (a hit, if the cache is shared) or a fresh prompt of the same
 length (a miss). Times to the first token of the two kinds are compared with a one-sided
 two-sample Kolmogorov-Smirnov test. The prompt length is sized first, so that a miss costs at
-least MARGIN times the timing noise, and trials stop as soon as the answer is decisive.
+least MARGIN times the timing noise, and is at least --cache-min-tokens long, since caches
+share whole blocks (vLLM's CPU build 128 tokens) or only long prompts (1024 tokens at some
+providers). Trials stop as soon as the answer is decisive.
 The same procedure within one key is the positive control: a server whose cache it cannot see
 gets "inconclusive", never "not shared".
 """
@@ -108,7 +110,7 @@ class CacheProbe:
             raise ProbeError(f"a timing request failed ({ex.status}): {ex.error}")
         return ex.ttft, ex
 
-    async def calibrate(self, max_words: int) -> Calibration:
+    async def calibrate(self, min_words: int, max_words: int) -> Calibration:
         short = [
             (await self.first_token(0, random_words(self.rng, 16), "cache:calibrate"))[0]
             for _ in range(10)
@@ -131,7 +133,7 @@ class CacheProbe:
                 f"a miss would need {words} words to cost {MARGIN}x the timing noise "
                 f"({1000 * noise:.1f} ms); the context holds {max_words}"
             )
-        words = min(max(words, 32), max_words)
+        words = min(max(words, min_words, 32), max_words)
         return Calibration(noise, per_word, words, SHARED_FRACTION * per_word * words, problem)
 
     async def trial(self, test: CacheTest, words: int, hit: bool) -> None:
