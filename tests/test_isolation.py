@@ -40,6 +40,7 @@ def test_incident_replay_with_sentinel_off_is_found_by_the_audit(tmp_path):
     assert code == 1, report
     checks = {f["check"] for f in report["findings"]}
     assert {"boundary", "timing"} <= checks, report["findings"]
+    assert any("accepts a key the audit made up" in i for i in report["info"]), "no --api-keys"
 
 
 def test_incident_replay_with_sentinel_on_fails_closed(tmp_path):
@@ -141,6 +142,7 @@ def test_clean_server_passes_an_adversarial_audit(tmp_path):
     finally:
         stop_server(proc)
     assert code == 0, report
+    assert not any("made up" in i for i in report["info"]), "a made-up key is refused"
     log = (tmp_path / f"server-{base.rsplit(':', 1)[1]}.log").read_text()
     assert (
         f"unified on {base}: SmolLM2-135M-Instruct.Q4_1: dtype gguf, "

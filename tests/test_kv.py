@@ -211,3 +211,20 @@ def test_sentinel_catches_a_page_reissued_while_lent_to_a_transfer(vectorized, m
     assert check_batch(a, batch) == [None, None]
     a.lend(parked, time.monotonic() - 1)  # a loan whose lease is over binds nobody
     assert check_batch(a, batch) == [None, None]
+
+
+@pytest.mark.parametrize("vectorized", [True, False])
+def test_sentinel_serves_a_prefix_hit_on_pages_lent_in_their_own_lifetime(vectorized, monkeypatch):
+    """A parked prefill's full pages are in its tenant's prefix cache while a decode worker
+    copies them: a same-tenant hit reads the very KV the reader copies, which is no reuse."""
+    import time
+
+    monkeypatch.setattr(sentinel, "ONE_BY_ONE_PAGES", 0 if vectorized else 10**9)
+    a = PageAllocator(16, 4)
+    parked, gens = cached_pages(a, 7, 2, "alice")
+    a.lend(parked, time.monotonic() + 60)
+    for p in parked:
+        a.acquire_shared(p, 8)
+    own, own_gens = granted(a, 8, 1, 0)
+    hit = TableCheck(8, ALICE, parked + own, gens + own_gens, 2, 8, 9)
+    assert check_batch(a, [hit]) == [None]

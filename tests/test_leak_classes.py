@@ -19,6 +19,7 @@ from helpers import (
     stop_server,
     wait_for_idle_pool,
 )
+from kvfence.engine.faults import LATE_READ_S
 
 KEY_ARGS = [a for k in TENANT_KEYS for a in ("--api-key", k)]
 ALICE, BOB = ({"Authorization": f"Bearer {k}"} for k in TENANT_KEYS)
@@ -51,24 +52,26 @@ def audit_checks(report) -> set[str]:
     return {f["check"] for f in report["findings"]}
 
 
-async def chats(base: str, questions: list[str], headers=None) -> list[httpx.Response]:
-    """Greedy chat answers, all in flight at once."""
-    async with httpx.AsyncClient(timeout=120) as client:
-        return await asyncio.gather(
-            *(
-                client.post(
-                    base + "/v1/chat/completions",
-                    headers=headers or {},
-                    json={
-                        "model": "smollm2",
-                        "messages": [{"role": "user", "content": q}],
-                        "max_tokens": 32,
-                        "temperature": 0,
-                    },
-                )
-                for q in questions
-            )
+async def chats(
+    base: str, questions: list[str], headers=None, gap_s: float = 0.0
+) -> list[httpx.Response]:
+    """Greedy chat answers, in flight together, the i-th sent `i * gap_s` seconds in."""
+
+    async def chat(client, i: int, question: str) -> httpx.Response:
+        await asyncio.sleep(i * gap_s)
+        return await client.post(
+            base + "/v1/chat/completions",
+            headers=headers or {},
+            json={
+                "model": "smollm2",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 32,
+                "temperature": 0,
+            },
         )
+
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(chat(client, i, q) for i, q in enumerate(questions)))
 
 
 def answers_alone(base: str, headers=None) -> dict[str, str]:
@@ -210,7 +213,10 @@ def test_stale_lease_fails_closed_under_the_sentinel(tmp_path):
     prefill = urls["prefill"][0]
     try:
         reference = answers_alone(router)
-        failed = assert_served_answers_are_exact(asyncio.run(chats(router, QUESTIONS)), reference)
+        # Staggered less than the late read: each prompt is given the pages its predecessor
+        # freed early while that one's loan still runs.
+        answers = asyncio.run(chats(router, QUESTIONS, gap_s=LATE_READ_S / 3))
+        failed = assert_served_answers_are_exact(answers, reference)
         violations = metric(prefill, "kvfence_kv_sentinel_violations_total")
         after = answers_alone(router)
         for url in urls["prefill"] + urls["decode"]:

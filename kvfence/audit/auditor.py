@@ -93,8 +93,9 @@ class Auditor:
         self.report.max_model_len = self.report.max_model_len or chosen.get("max_model_len")
         self.report.pool_tokens = self.report.pool_tokens or chosen.get("kv_pool_tokens")
         made_up = {"Authorization": f"Bearer sk-audit-{self.rng.getrandbits(64):016x}"}
-        r = await http.get(self.base + "/v1/models", headers=made_up, timeout=30)
-        if r.status_code == 200:
+        body = {"model": self.client.model, "prompt": "Hello", "max_tokens": 1}
+        r = await http.post(self.base + "/v1/completions", headers=made_up, json=body, timeout=60)
+        if r.status_code == 200:  # served, not just listed: some servers list models to anyone
             self.report.info.append(
                 "the server accepts a key the audit made up: it authenticates no one, so every "
                 "client is the same tenant"

@@ -42,7 +42,7 @@ TRUNCATED_TRANSFER = "truncated-transfer"
 SHARED_PREFIX_CACHE = "shared-prefix-cache"
 STALE_LEASE = "stale-lease"
 STALE_BLOCK_REUSE = "stale-block-reuse"
-LATE_READ_S = 0.3  # stale-lease: how late each read starts
+LATE_READ_S = 1.0  # stale-lease: how late each read starts
 LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
 
 log = logging.getLogger("kvfence.fault")

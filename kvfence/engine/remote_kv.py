@@ -55,6 +55,8 @@ class RemoteKV:
     def export(self, request_id: str, pages: list[int], until: float) -> None:
         """A manifest of a parked request's pages goes out: a reader may copy them until
         `until` (its lease, time.monotonic) or until release_parked."""
+        if request_id not in self.parked:  # its lease already ended: nothing left to lend
+            return
         self.loans[request_id] = pages
         self.engine.allocator.lend(pages, until)
 

@@ -9,10 +9,12 @@ entry copied from another request's table, never matches what was recorded at gr
 was not written for them. A prefix-cache page also records the
 tenant that cached it and which requests hold its references, for the sentinel to check.
 A page whose KV a transfer may still read (a parked prefill's, until its reader is done or
-its lease ends) is lent: the record outlives the page's owner, so the sentinel sees a page
-reused while a reader may still be copying it.
+its lease ends) is lent with the generation it had: the record outlives the page's owner, so
+the sentinel sees a page reissued while a reader may still be copying it. Reading a lent page
+in its own lifetime (a prefix-cache hit on a parked prefill's pages) is no reuse.
 """
 
+import time
 from collections import deque
 
 import numpy as np
@@ -41,6 +43,7 @@ class PageAllocator:
         self.references: dict[int, list[int]] = {}  # owner -> shared pages it holds, in table order
         self._tenant_numbers: dict[str, int] = {}
         self.lent_until = np.zeros(num_pages)  # monotonic time until which a transfer may read
+        self.lent_generation = np.full(num_pages, -1, dtype=np.int64)
         # A stack: the most recently freed pages, still warm in cache, are reused first.
         self._free = deque(reversed(range(num_pages)))
 
@@ -104,9 +107,16 @@ class PageAllocator:
     def lend(self, pages: list[int], until: float) -> None:
         """A transfer may read `pages` until `until` (time.monotonic) or end_loan."""
         self.lent_until[pages] = until
+        self.lent_generation[pages] = self.generation[pages]
 
     def end_loan(self, pages: list[int]) -> None:
         self.lent_until[pages] = 0.0
+
+    def reissued_while_lent(self, pages) -> np.ndarray:
+        """Per page: freed and given out again while a transfer may still read its old KV."""
+        return (self.lent_until[pages] > time.monotonic()) & (
+            self.generation[pages] != self.lent_generation[pages]
+        )
 
     # --- shared prefix pages ---------------------------------------------------------
 

@@ -2,11 +2,10 @@
 
 For each request in the batch: every page of its block table is owned by it (or is a
 prefix-cache page of its own tenant's cache that it holds a reference to), still carries
-the generation it had when it was granted, is not lent to a KV transfer that may still read
-it, and every position attention will read was written for this request.
+the generation it had when it was granted, was not reissued while lent to a KV transfer that
+may still read its old KV, and every position attention will read was written for this request.
 """
 
-import time
 from typing import NamedTuple
 
 import numpy as np
@@ -59,9 +58,9 @@ def check_block_table(
     for i, p in enumerate(pages):
         if issued[i] != generations[i]:
             return f"page {p} was freed and reissued since it was granted (generation changed)"
-    lent = allocator.lent_until[pages] > time.monotonic()
+    lent = allocator.reissued_while_lent(pages)
     if lent.any():
-        return f"page {pages[lent.argmax()]} is still lent to a KV transfer that may read it"
+        return f"page {pages[lent.argmax()]} was reissued while still lent to a KV transfer"
     if num_shared:
         problem = check_shared_prefix(allocator, owner, tenant, pages[:num_shared])
         if problem:
@@ -138,7 +137,7 @@ def check_batch(allocator: PageAllocator, entries: list[TableCheck]) -> list[str
         and (allocator.refcount[pages[is_shared]] > 0).all()
         and (allocator.tenant[pages[is_shared]] == expected_tenant[is_shared]).all()
         and (allocator.generation[pages] == np.asarray(generations, dtype=np.int64)).all()
-        and (allocator.lent_until[pages] <= time.monotonic()).all()
+        and not allocator.reissued_while_lent(pages).any()
         and (allocator.written[pages] >= required).all()
         and all(
             allocator.holds_shared(e.owner, e.block_table[: e.num_shared])
