@@ -32,7 +32,9 @@ def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray
         return quantize(rng.standard_normal((n, k), dtype=np.float32) * 0.02, qtype)
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
-    raw[..., 0:4] = np.full((n, k // block, 2), 1e-4, np.float16).view(np.uint8)  # d, dmin
+    # Q4_K/Q5_K: d and dmin first; Q6_K: d last
+    at, count = (size - 2, 1) if kind == "Q6_K" else (0, 2)
+    raw[..., at : at + 2 * count] = np.full((n, k // block, count), 1e-4, np.float16).view(np.uint8)
     return raw.reshape(n, -1)
 
 

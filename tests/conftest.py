@@ -75,6 +75,25 @@ def hf_reference(default_model_path):
 
 
 @pytest.fixture(scope="session")
+def q4_k_m_path(tmp_path_factory, default_model_path):
+    """The default model re-quantized to Q4_K_M by llama.cpp's own quantizer: Q4_K and Q6_K
+    where rows have 256 weights (the FFN's down projection), its fallbacks (Q5_0, Q8_0)
+    elsewhere, as llama.cpp writes any model of this width."""
+    import llama_cpp
+
+    path = tmp_path_factory.mktemp("q4_k_m") / "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True  # from the Q4_1 file: no higher-precision one is embedded
+    params.nthread = 2
+    assert (
+        llama_cpp.llama_model_quantize(str(default_model_path).encode(), str(path).encode(), params)
+        == 0
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     """A real `kvfence serve` process with two tenants' API keys."""
     tmp = tmp_path_factory.mktemp("server")

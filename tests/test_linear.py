@@ -147,6 +147,7 @@ def gguf_weights(
         ("Q8_0", 0.1, 96, 1280),
         ("Q4_K", 0.1, 512, 768),  # sub-block scales d * sc need more bits than fp16's
         ("Q5_K", 0.1, 512, 1280),
+        ("Q6_K", 0.1, 512, 1536),  # a scale per 16 weights
         ("Q4_0", 5e4, 96, 768),  # -8 x scale overflows fp16: fp32 scales
     ],
 )
@@ -155,7 +156,7 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, k
     them gives the kernel's results on those fp32 values, in either packed block format."""
     blocks, reference = gguf_weights(kind, 70, k, magnitude, seed=2)
     gen = torch.Generator().manual_seed(2)
-    assert blocks.shape == (70, k // 32 * 40) and blocks.dtype == torch.uint8
+    assert blocks.shape == (70, k // 16 * 24) and blocks.dtype == torch.uint8
     assert torch.equal(blocks_to_float(blocks), reference)  # as values: d * (8 - 8) may be -0
     bias = torch.randn(70, generator=gen)
     for m in (1, 7, 12, 40):
@@ -165,7 +166,7 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, k
         kernel(torch.randn(2, 64), pack(blocks), 70, None)
     layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
     # per weight: 0.625 bytes with 4-bit codes and fp16 scales, 0.75 with fp32 scales, 1.25
-    # with 8-bit codes; fp32 would be 4
+    # with 8-bit codes, 1.5 with scales per 16 weights; fp32 would be 4
     assert layer.weight is None and layer.packed.shape == (3, k // 32, block_bytes)
 
 
@@ -243,8 +244,9 @@ def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     top = rows.abs().amax(-1)
     a = torch.round(rows * torch.where(top > 0, 127 / top, 0)[..., None])
     d = top / 127
-    header = blocks.view(70, 3, 40)[..., :8].contiguous().view(torch.float32)  # scale, offset
-    q = blocks.view(70, 3, 40)[..., 8:].float()
+    halves = blocks.view(70, 3, 2, 24)  # both halves of a block of 32 have its scale, offset
+    header = halves[:, :, 0, :8].contiguous().view(torch.float32)
+    q = halves[..., 8:].flatten(2).float()
     s, o = header[..., 0], header[..., 1]
     if kind == "Q8_0":  # signed codes q - 128, no offset
         q, o = q - 128, torch.zeros_like(o)
@@ -278,6 +280,8 @@ def test_int8_activations_need_gguf_blocks(kernel):
     overflowing, _ = gguf_weights("Q4_0", 64, 96, 5e4, seed=6)  # -8 x scale is over fp16's range
     with pytest.raises(ValueError, match="fp16 scales"):
         pack_for_int8(overflowing)
+    with pytest.raises(ValueError, match="one scale per 32 weights"):
+        pack_for_int8(gguf_weights("Q6_K", 64, 256, 0.1, seed=6)[0])
     layer = Linear(
         gguf_weights("Q4_1", 64, 96, 0.1, seed=7)[0],
         None,

@@ -7,6 +7,7 @@ import shutil
 
 import gguf
 import pytest
+import torch
 
 from helpers import save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
@@ -113,8 +114,8 @@ MIXES = {
     "k-quants": (
         {"hidden_size": 256, "intermediate_size": 512},
         {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q5_K", "output.weight": "Q6_K", "*": "Q4_K"},
-        ["Q4_K", "Q5_K"],
-        ["Q6_K"],
+        ["Q4_K", "Q5_K", "Q6_K"],  # Q/K/V too: Q4_K and Q6_K rows share Q6_K's layout
+        [],
     ),
     "legacy": (
         {},
@@ -146,10 +147,12 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
     with caplog.at_level(logging.INFO, "kvfence.loader"):
         blocks = LLM(str(path), **small)
     assert blocks.engine.config.dtype == "gguf"
+    assert blocks.engine.runner.model.embed.dtype == torch.uint8  # rows decoded as looked up
     (line,) = [r.getMessage() for r in caplog.records if "kept in blocks" in r.getMessage()]
-    kept_part, dequantized_part = line.split("dequantized to float32")
+    kept_part, _, dequantized_part = line.partition("dequantized to float32")
     assert all(f" {kind} (" in kept_part for kind in kept)
     assert all(f" {kind} (" in dequantized_part for kind in dequantized)
+    assert bool(dequantized_part) == bool(dequantized)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     prompts = ["hello", "a longer prompt that needs chunks of prefill", "x y z w"]
     fp32 = LLM(str(path), dtype="float32", **small)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvfence import LLM, SamplingParams
+from kvfence.model.tokenizer import apply_chat_template
 
 PROMPTS = [
     "The capital of France is",
@@ -212,6 +213,45 @@ def test_chat_answers_like_the_reference(real_llm):
     )[0].outputs[0]
     assert out.text == "The capital of France is Paris."
     assert out.finish_reason == "stop"
+
+
+def test_q4_k_m_file_runs_in_blocks_and_matches_transformers(q4_k_m_path):
+    """llama.cpp's Q4_K_M of the default model: every type stays in blocks (Q6_K with its
+    scale per 16 weights), greedy continuations equal transformers' on the same file token
+    for token, logits stay within 2e-3, and the chat answer is transformers' own."""
+    from gguf import GGUFReader
+    from transformers import AutoModelForCausalLM
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(q4_k_m_path)).tensors}
+    downs = [types[f"blk.{i}.ffn_down.weight"] for i in range(30)]
+    assert {"Q4_K", "Q6_K"} <= set(downs)
+    llm = LLM(str(q4_k_m_path), num_threads=2, max_model_len=1024, num_kv_pages=400)
+    assert llm.engine.config.dtype == "gguf"
+    layers = llm.engine.runner.model.layers
+    assert {layers[i].down.packed.shape[2] for i in range(30)} == {768, 1536}
+    assert all(layer.qkv.packed.dtype == torch.uint8 for layer in layers)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(q4_k_m_path.parent), gguf_file=q4_k_m_path.name, dtype=torch.float32
+    ).eval()
+    compare_batched(llm, hf, [PROMPTS[0], PROMPTS[14] * 6, PROMPTS[10]], max_tokens=5, atol=2e-3)
+    tok = llm.tokenizer
+    results = llm.generate(
+        PROMPTS[:4], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    for prompt, res in zip(PROMPTS[:4], results):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        ref = []
+        with torch.no_grad():
+            for _ in range(12):
+                ref.append(int(hf(torch.tensor([ids + ref])).logits[0, -1].argmax()))
+        assert res.outputs[0].token_ids == ref, prompt
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    out = llm.chat(chat, SamplingParams(temperature=0, max_tokens=30))[0].outputs[0]
+    ids = tok.encode(apply_chat_template(tok, chat), add_special_tokens=False)
+    with torch.no_grad():
+        reference = hf.generate(torch.tensor([ids]), max_new_tokens=30, do_sample=False)
+    assert out.token_ids == reference[0, len(ids) :].tolist()
+    assert "capital of France" in out.text and out.finish_reason == "stop"
 
 
 def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):

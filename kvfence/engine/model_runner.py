@@ -17,7 +17,7 @@ from kvfence.model.attention import AttentionMetadata, PrefillChunk
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_kernel, linear_kernel
 from kvfence.model.llama import LlamaModel
-from kvfence.model.loader import has_gguf_blocks, load_model, resolve_model_path
+from kvfence.model.loader import has_gguf_blocks, load_model, open_gguf, resolve_model_path
 
 log = logging.getLogger("kvfence.sentinel")
 
@@ -26,12 +26,20 @@ def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig
     """Finds the model, settles what `auto` stands for, loads the weights in the layout
     --dtype asks for and completes the configuration from the model's own."""
     path = resolve_model_path(config.model)
+    reader = open_gguf(path) if path.is_file() else None  # parsed once, for both uses
     blocks_run = (
-        config.device == "cpu" and has_gguf_blocks(path) and linear_kernel("cpu") is not None
+        config.device == "cpu"
+        and reader is not None
+        and has_gguf_blocks(reader)
+        and linear_kernel("cpu") is not None
     )
     config.resolve_auto(gguf_blocks_run=blocks_run)
     model_config, weights = load_model(
-        path, progress, keep_blocks=config.keeps_blocks, int8=config.dtype == "gguf-int8"
+        path,
+        progress,
+        keep_blocks=config.keeps_blocks,
+        int8=config.dtype == "gguf-int8",
+        reader=reader,
     )
     config.resolve(model_config)
     dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32

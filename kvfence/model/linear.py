@@ -7,55 +7,89 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kvfence.model.loader import blocks_to_float
+from kvfence.model.loader import SUB_BLOCK_BYTES, blocks_to_float
 
 PANEL = 32  # weight rows per panel of csrc/linear.cpp
 ONEDNN_MIN_ROWS = 8  # bf16: from this many rows oneDNN's prepacked bf16 GEMM beats the kernel
 
 
 def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) in panels of 32 rows (zero padded):
+    """Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) in panels of 32 rows (zero padded):
     the codes [ceil(N/32), K/32, 32 rows, 32 k] and the fp32 scales and offsets
-    [ceil(N/32), K/32, 32 rows, 2]."""
+    [ceil(N/32), K/32, 32 rows, 2 halves of 16 k, 2]."""
     panels = F.pad(blocks, (0, 0, 0, -blocks.shape[0] % PANEL)).view(
-        -1, PANEL, blocks.shape[1] // 40, 40
+        -1, PANEL, blocks.shape[1] // (2 * SUB_BLOCK_BYTES), 2, SUB_BLOCK_BYTES
     )
     panels = panels.transpose(1, 2)
-    return panels[..., 8:], panels[..., :8].contiguous().view(torch.float32)
+    codes = panels[..., 8:].flatten(3)
+    return codes, panels[..., :8].contiguous().view(torch.float32)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
     """fp32 or bf16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
-    padded), k-major. Blocks (uint8 [N, K/32 * 40], see loader.gguf_blocks) -> per panel and
+    padded), k-major. Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) -> per panel and
     block of 32 k, the 32 rows' scales, their offsets, then the codes k-major. Where every
     code fits 4 bits, two codes a byte (row j low, row j + 16 high), with fp16 scales where
     they all fit (Q4_0, Q4_1 as stored: [ceil(N/32), K/32, 640]), else fp32 ones (Q4_K: 768);
-    other codes take a byte each, with fp32 scales (1280)."""
+    other codes take a byte each, with fp32 scales (1280). Where the two halves of a block
+    have scales of their own (Q6_K), each half's scales and offsets, then bytes (1536)."""
     if weight.dtype != torch.uint8:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
-    codes, scales = block_panels(weight)
-    codes = codes.transpose(2, 3)  # [P, K/32, 32 k, 32 rows]
-    nibbles = codes.max() < 16
-    if nibbles and torch.equal(scales.half().float(), scales):
-        scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
-    else:
-        scales = scales.view(torch.uint8).view(*scales.shape, 4)
-    if nibbles:
-        codes = codes[..., :16] | codes[..., 16:] << 4
-    return torch.cat(
-        [scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)],
-        dim=2,
-    ).contiguous()
+    shared, nibbles, fp16 = True, True, True  # one layout for the whole matrix
+    for part in _panel_chunks(weight):
+        codes, scales = block_panels(part)
+        shared = shared and torch.equal(scales[..., 0, :], scales[..., 1, :])
+        nibbles = nibbles and bool(codes.max() < 16)
+        fp16 = fp16 and torch.equal(scales.half().float(), scales)
+
+    def packed(part: torch.Tensor) -> torch.Tensor:
+        codes, scales = block_panels(part)
+        codes = codes.transpose(2, 3)  # [P, K/32, 32 k, 32 rows]
+        if not shared:
+            halves = scales.permute(0, 1, 3, 4, 2).contiguous()  # [P, K/32, half, kind, row]
+            return torch.cat([halves.view(torch.uint8).flatten(2), codes.flatten(2)], dim=2)
+        scales = scales[..., 0, :]
+        if nibbles and fp16:
+            scales = scales.half().view(torch.uint8).view(*scales.shape, 2)
+        else:
+            scales = scales.view(torch.uint8).view(*scales.shape, 4)
+        if nibbles:
+            codes = codes[..., :16] | codes[..., 16:] << 4
+        return torch.cat(
+            [scales[..., 0, :].flatten(2), scales[..., 1, :].flatten(2), codes.flatten(2)],
+            dim=2,
+        )
+
+    first, *rest = _panel_chunks(weight)
+    panels = packed(first)
+    out = torch.empty((-(-weight.shape[0] // PANEL), *panels.shape[1:]), dtype=torch.uint8)
+    out[: len(panels)] = panels
+    at = len(panels)
+    for part in rest:
+        panels = packed(part)
+        out[at : at + len(panels)] = panels
+        at += len(panels)
+    return out
+
+
+def _panel_chunks(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Blocks in whole panels of a few MB: packed at once, a large matrix's temporaries would
+    be several times its size."""
+    rows = PANEL * max(1, (8 << 20) // (PANEL * blocks.shape[1]))
+    return [blocks[r : r + rows] for r in range(0, blocks.shape[0], rows)]
 
 
 def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
-    """Blocks (uint8 [N, K/32 * 40]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
+    """Blocks (uint8 [N, K/16 * 24]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
     activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
     offsets, [ceil(N/32), K/32, 640]; or Q8_0's signed codes with fp16 scales,
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
     vpmaddubsw multiplies them in."""
     codes, scales = block_panels(blocks)
+    if not torch.equal(scales[..., 0, :], scales[..., 1, :]):
+        raise ValueError("8-bit activations need blocks with one scale per 32 weights")
+    scales = scales[..., 0, :]
     p, nb = codes.shape[:2]
     scale, offset = scales[..., 0], scales[..., 1]
     codes = codes.view(p, nb, 4, 8, 32)  # [P, K/32, g, j, k]

@@ -11,7 +11,7 @@ from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel
 from kvfence.model.linear import Linear
-from kvfence.model.loader import Weights
+from kvfence.model.loader import Weights, blocks_to_float
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -109,7 +109,8 @@ class LlamaModel:
         def lin(w, b=None):
             return Linear(w, b, dtype, self.device, kernel, int8_activations)
 
-        self.embed = fp32(weights.embed)
+        # GGUF blocks stay blocks: a lookup decodes only the rows it takes
+        self.embed = weights.embed if weights.embed.dtype == torch.uint8 else fp32(weights.embed)
         self.layers = [
             Layer(
                 fp32(w.attn_norm),
@@ -209,6 +210,8 @@ class LlamaModel:
         cos, sin = self.rope(positions)
         # The fp32 residual stream; each layer's output is added in the next norm.
         x = self.embed[input_ids]
+        if x.dtype == torch.uint8:
+            x = blocks_to_float(x)
         delta = None
         if (
             self.decode_layers is not None

@@ -94,13 +94,14 @@ def resolve_model_path(model: str | None) -> Path:
 
 
 def load_model(
-    path: Path, progress: bool = True, keep_blocks: bool = False, int8: bool = False
+    path: Path, progress: bool = True, keep_blocks: bool = False, int8: bool = False, reader=None
 ) -> tuple[ModelConfig, Weights]:
-    """keep_blocks: the linear weights of a type in BLOCK_BYTES stay in the GGUF file's
-    quantized blocks (see gguf_blocks), the others become fp32. int8: for 8-bit activations,
-    which need every linear weight in INT8_BLOCK_TYPES."""
+    """keep_blocks: the linear weights and embedding of a type in BLOCK_BYTES stay in the GGUF
+    file's quantized blocks (see gguf_blocks), the others become fp32. int8: for 8-bit
+    activations, which need every linear weight in INT8_BLOCK_TYPES. reader: the file's
+    open_gguf where the caller has it (parsing a large vocabulary takes seconds)."""
     if path.is_file():
-        return _load_gguf(path, progress, keep_blocks, int8)
+        return _load_gguf(path, reader or open_gguf(path), progress, keep_blocks, int8)
     if keep_blocks:
         raise ModelLoadError(
             f"--dtype gguf and gguf-int8 read the blocks of a GGUF file; "
@@ -311,10 +312,20 @@ def _gguf_tensor_names(config: ModelConfig) -> set[str]:
 
 
 # The GGUF types kept in blocks, and the bytes of one of their blocks (32 weights; 256 for the
-# K-quants, in 8 sub-blocks of 32). The others (F16, BF16, Q6_K, whose sub-blocks hold 16
-# weights, ...) are dequantized to fp32 at load.
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176}
+# K-quants). The others (F16, BF16, ...) are dequantized to fp32 at load.
+BLOCK_BYTES = {
+    "Q4_0": 18,
+    "Q4_1": 20,
+    "Q5_0": 22,
+    "Q5_1": 24,
+    "Q8_0": 34,
+    "Q4_K": 144,
+    "Q5_K": 176,
+    "Q6_K": 210,
+}
 INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # those 8-bit activations (gguf-int8) run on
+SUB_BLOCK = 16  # weights per scale in gguf_blocks: Q6_K's, the finest of BLOCK_BYTES
+SUB_BLOCK_BYTES = 8 + SUB_BLOCK  # fp32 scale and offset, then a code a weight
 
 
 def _fp16(raw: np.ndarray, at: int) -> np.ndarray:
@@ -343,13 +354,32 @@ def _k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
     return (qs & 15).reshape(-1, 32)
 
 
+def _q6_k_codes(raw: np.ndarray) -> np.ndarray:
+    """Q6_K's 256 6-bit codes a block, in gguf's order: the low 4 bits from 128 bytes of
+    nibbles (as _k_quant_nibbles, in halves of 64 bytes), the high 2 from 64 bytes of pairs."""
+    low = raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    high = raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+        1, 1, 4, 1
+    )
+    return (low & 15).reshape(-1, 256) | ((high & 3).reshape(-1, 256) << 4)
+
+
 def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
-    """Rows of blocks of a type in BLOCK_BYTES as rows of 40-byte blocks of 32 weights: scale
-    and offset (fp32), then 32 codes (uint8), with weight = scale * code + offset. gguf
-    dequantizes each of these types with one rounding after an exact product, so one fused
-    multiply-add of scale, code and offset gives its fp32 values bit for bit."""
+    """Rows of blocks of a type in BLOCK_BYTES as rows of 24-byte sub-blocks of 16 weights:
+    scale and offset (fp32), then 16 codes (uint8), with weight = scale * code + offset (types
+    with a scale per 32 weights give two sub-blocks the same one). gguf dequantizes each of
+    these types with one rounding after an exact product, so one fused multiply-add of scale,
+    code and offset gives its fp32 values bit for bit."""
+    return torch.from_numpy(_by_rows(data, lambda rows: _sub_blocks(rows, kind)))
+
+
+def _sub_blocks(data: np.ndarray, kind: str) -> np.ndarray:
     raw = data.reshape(-1, BLOCK_BYTES[kind])
-    if kind in ("Q4_K", "Q5_K"):  # w = d * sc * q - dmin * m, per sub-block of 32
+    if kind == "Q6_K":  # w = d * sc * (q - 32), sc an int8 per 16 weights
+        scale = (_fp16(raw, 208) * raw[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1)
+        codes = _q6_k_codes(raw)
+        offset = -32 * scale
+    elif kind in ("Q4_K", "Q5_K"):  # w = d * sc * q - dmin * m, per sub-block of 32
         scale, offset = _k_quant_scales(raw)
         codes = _k_quant_nibbles(raw[:, -128:])
         if kind == "Q5_K":  # bit j of byte k is the fifth bit of weight k of sub-block j
@@ -373,16 +403,24 @@ def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
         else:  # Q5_1: w = d * q + m
             codes |= _high_bits(raw[:, 4:8]) << 4
             offset = _fp16(raw, 2)
+    codes = codes.reshape(-1, SUB_BLOCK)
+    per_scale = len(codes) // scale.size  # sub-blocks sharing one scale
     blocks = np.concatenate(
-        [scale.reshape(-1, 1).view(np.uint8), offset.reshape(-1, 1).view(np.uint8), codes], axis=1
+        [
+            np.repeat(scale.reshape(-1, 1), per_scale, axis=0).view(np.uint8),
+            np.repeat(np.reshape(offset, (-1, 1)), per_scale, axis=0).view(np.uint8),
+            codes,
+        ],
+        axis=1,
     )
-    return torch.from_numpy(blocks.reshape(data.shape[0], -1))
+    return blocks.reshape(data.shape[0], -1)
 
 
 def blocks_to_float(blocks: torch.Tensor) -> torch.Tensor:
-    """gguf_blocks' rows back to fp32 weights: scale * code is exact, so the one rounding of
-    the add gives the values gguf dequantizes to."""
-    b = blocks.view(blocks.shape[0], -1, 40)
+    """gguf_blocks' rows back to fp32 weights: scale * code is exact (at most 24 bits: an
+    fp16's 11 times Q6_K's 7-bit scale and 6-bit code), so the one rounding of the add gives
+    the values gguf dequantizes to."""
+    b = blocks.view(blocks.shape[0], -1, SUB_BLOCK_BYTES)
     scale, offset = (
         b[..., 0:4].contiguous().view(torch.float32),
         b[..., 4:8].contiguous().view(torch.float32),
@@ -398,16 +436,21 @@ def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
     ]
 
 
-def has_gguf_blocks(path: Path) -> bool:
-    """Whether `path` is a GGUF file with linear weights in blocks that --dtype gguf keeps."""
+def open_gguf(path: Path):
+    """The file's GGUFReader, which memory-maps it, or a ModelLoadError saying why not."""
     from gguf import GGUFReader
 
-    if not path.is_file():
-        return False
     try:
-        reader = GGUFReader(str(path))
+        return GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises bare ValueError/struct errors
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+
+
+def has_gguf_blocks(reader) -> bool:
+    """Whether a GGUF file (its reader) has linear weights in blocks that --dtype gguf keeps."""
+    try:
         _, weights = _gguf_linear_tensors(reader, gguf_model_config(reader))
-    except Exception:  # an unreadable file fails with a clear error when it is loaded
+    except Exception:  # an unsupported model fails with a clear error when it is loaded
         return False
     return any(t.tensor_type.name in BLOCK_BYTES for t in weights)
 
@@ -416,37 +459,38 @@ def _size(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
 
 
-def _kept_line(path: Path, linear_tensors: list, kept: set[str]) -> str:
-    """One line on what stayed in blocks and what was dequantized, bytes per GGUF type."""
+def _kept_line(path: Path, tensors: list, kept: set[str]) -> str:
+    """One line on what stayed in blocks and what was dequantized, bytes per GGUF type: of
+    `tensors`, the linear weights and the embedding."""
 
-    def summary(tensors):
+    def summary(group):
         by_type: dict[str, list[int]] = {}
-        for t in tensors:
+        for t in group:
             count = by_type.setdefault(t.tensor_type.name, [0, 0])
             count[0] += 1
             count[1] += t.n_bytes
         return ", ".join(f"{n} {kind} ({_size(b)})" for kind, (n, b) in by_type.items())
 
-    rest = [t for t in linear_tensors if t.name not in kept]
-    line = f"{path.name}: linear weights kept in blocks: "
-    line += summary([t for t in linear_tensors if t.name in kept]) or "none"
+    rest = [t for t in tensors if t.name not in kept]
+    line = f"{path.name}: weights kept in blocks: "
+    line += summary([t for t in tensors if t.name in kept]) or "none"
     if rest:
         fp32 = _size(sum(t.n_elements for t in rest) * 4)
         line += f"; dequantized to float32 ({fp32}): {summary(rest)}"
     return line
 
 
-def _dequantize_rows(data: np.ndarray, kind, dequantize) -> np.ndarray:
-    """gguf's dequantize of a tensor into one fp32 array, a few MB of rows at a time: at
-    once, its temporaries would be several times the tensor's fp32 size."""
+def _by_rows(data: np.ndarray, convert) -> np.ndarray:
+    """convert(rows) of a tensor into one array, a few MB of rows at a time: at once, its
+    temporaries would be several times the tensor's size."""
     if data.ndim < 2:
-        return np.array(dequantize(data, kind), dtype=np.float32)
+        return convert(data)
     step = max(1, (4 << 20) // data[0].nbytes)
-    first = dequantize(data[:step], kind)
-    out = np.empty((data.shape[0], first.shape[1]), dtype=np.float32)
+    first = convert(data[:step])
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=first.dtype)
     out[:step] = first
     for row in range(step, data.shape[0], step):
-        out[row : row + step] = dequantize(data[row : row + step], kind)
+        out[row : row + step] = convert(data[row : row + step])
     return out
 
 
@@ -472,34 +516,36 @@ def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8:
 
 
 def _load_gguf(
-    path: Path, progress: bool, keep_blocks: bool, int8: bool
+    path: Path, reader, progress: bool, keep_blocks: bool, int8: bool
 ) -> tuple[ModelConfig, Weights]:
-    from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    try:
-        reader = GGUFReader(str(path))  # memory-maps the file
-    except Exception as e:  # the gguf package raises bare ValueError/struct errors
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
     config = gguf_model_config(reader)
     _check_tensors(
         path, {t.name for t in reader.tensors}, _gguf_tensor_names(config), ["rope_freqs.weight"]
     )
     head, linear_tensors = _gguf_linear_tensors(reader, config)
-    kept = _kept_in_blocks(path, config, linear_tensors, int8) if keep_blocks else set()
-    if keep_blocks:
-        log.info(_kept_line(path, linear_tensors, kept))
     by_name = {t.name: t for t in reader.tensors}
+    kept = _kept_in_blocks(path, config, linear_tensors, int8) if keep_blocks else set()
+    embed = by_name["token_embd.weight"]
+    if keep_blocks and embed.tensor_type.name in BLOCK_BYTES:
+        kept.add(embed.name)  # the lookup decodes only the rows it takes
+    if keep_blocks:
+        log.info(
+            _kept_line(path, list({t.name: t for t in [*linear_tensors, embed]}.values()), kept)
+        )
 
     def fp32(name: str) -> torch.Tensor:
         t = by_name[name]
-        return torch.from_numpy(_dequantize_rows(t.data, t.tensor_type, dequantize))
+        values = _by_rows(t.data, lambda rows: dequantize(rows, t.tensor_type))
+        # F32 tensors come as read-only views of the mapped file
+        return torch.from_numpy(np.require(values, np.float32, ["W"]))
 
     def read(name: str) -> torch.Tensor:
         t = by_name[name]
         return gguf_blocks(t.data, t.tensor_type.name) if name in kept else fp32(name)
 
-    embed = fp32("token_embd.weight")  # the embedding lookup needs fp32
+    embed = read("token_embd.weight")
     weights = Weights(
         embed=embed,
         # llama.cpp permutes the Q/K rows of Llama models only
@@ -513,7 +559,7 @@ def _load_gguf(
             unpermute=config.architecture == "llama",
         ),
         final_norm=fp32("output_norm.weight"),
-        lm_head=embed if head == "token_embd.weight" and head not in kept else read(head),
+        lm_head=embed if head == "token_embd.weight" else read(head),
     )
     return config, weights
 

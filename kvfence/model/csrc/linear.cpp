@@ -10,6 +10,8 @@
 //                 row j + 16's in its high one.
 //   4-bit blocks with fp32 scales: [N/32, K/32, 768] bytes: the 8-bit layout's scales and
 //                 offsets, then the 4-bit layout's codes (Q4_K: its d * sc needs fp32).
+//   8-bit blocks in halves: [N/32, K/32, 1536] bytes: for each 16 k, the 32 rows' scales and
+//                 offsets (fp32), then the 8-bit layout's codes (Q6_K: a scale per 16 k).
 //                 Every way w = fma(scale, code, offset), which is exactly the fp32 value gguf
 //                 dequantizes the block to (see model/loader.py, gguf_blocks).
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
@@ -108,14 +110,15 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + kAhead + b, _MM_HINT_T0);
 }
 
-// The two block formats. Pointers to them step in bytes. For the vector of columns
-// [j, j + kWidth) of a block: scale() and offset() once per block, weight() at its k-th step,
-// decoded as gguf does.
+// The block formats. Pointers to them step in bytes. For the vector of columns
+// [j, j + kWidth) of a block: scale() and offset() once per kSub k from k = s on, weight() at
+// its k-th step, decoded as gguf does.
 struct Codes8 {
   uint8_t byte;
+  static constexpr int64_t kSub = 32;
   static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel;
-  static Vec scale(const uint8_t* block, int64_t j) { return load(reinterpret_cast<const float*>(block) + j); }
-  static Vec offset(const uint8_t* block, int64_t j) { return load(reinterpret_cast<const float*>(block) + kPanel + j); }
+  static Vec scale(const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + j); }
+  static Vec offset(const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + kPanel + j); }
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_u8(block + 2 * kPanel * 4 + k * kPanel + j), offset);
   }
@@ -123,9 +126,10 @@ struct Codes8 {
 
 struct Codes4 {
   uint8_t byte;
+  static constexpr int64_t kSub = 32;
   static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
-  static Vec scale(const uint8_t* block, int64_t j) { return load_fp16(block + 2 * j); }
-  static Vec offset(const uint8_t* block, int64_t j) { return load_fp16(block + 2 * (kPanel + j)); }
+  static Vec scale(const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * j); }
+  static Vec offset(const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * (kPanel + j)); }
   // Column j < 16 is the low nibble of byte j, column j >= 16 the high nibble of byte j - 16.
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_nibbles(block + 2 * kPanel * 2 + k * kPanel / 2 + j % 16, j >= 16), offset);
@@ -134,18 +138,32 @@ struct Codes4 {
 
 struct Codes4F {
   uint8_t byte;
+  static constexpr int64_t kSub = 32;
   static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel / 2;
-  static Vec scale(const uint8_t* block, int64_t j) { return Codes8::scale(block, j); }
-  static Vec offset(const uint8_t* block, int64_t j) { return Codes8::offset(block, j); }
+  static Vec scale(const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(block, s, j); }
+  static Vec offset(const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(block, s, j); }
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_nibbles(block + 2 * kPanel * 4 + k * kPanel / 2 + j % 16, j >= 16), offset);
   }
 };
 
-static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1);
+struct Codes8H {
+  uint8_t byte;
+  static constexpr int64_t kSub = 16;
+  static constexpr int64_t kScales = 2 * (kBlock / kSub) * kPanel * 4;  // bytes of scales and offsets
+  static constexpr int64_t kBytes = kScales + kBlock * kPanel;
+  static Vec scale(const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(block + s / kSub * 2 * kPanel * 4, 0, j); }
+  static Vec offset(const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(block + s / kSub * 2 * kPanel * 4, 0, j); }
+  static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
+    return fmadd(scale, load_u8(block + kScales + k * kPanel + j), offset);
+  }
+};
+
+static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1 && sizeof(Codes8H) == 1);
 
 template <typename W>
-constexpr bool is_blocks = std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4> || std::is_same_v<W, Codes4F>;
+constexpr bool is_blocks =
+    std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4> || std::is_same_v<W, Codes4F> || std::is_same_v<W, Codes8H>;
 
 template <int MR, int NV>
 inline void accumulate(Vec (&acc)[MR][NV], const float* x, int64_t K, int64_t k, const Vec (&w)[NV]) {
@@ -163,15 +181,17 @@ void multiply(Vec (&acc)[MR][NV], const float* x, const W* panel, int64_t K) {
     const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
     for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
       prefetch_ahead(block, W::kBytes);
-      Vec scale[NV], offset[NV];
-      for (int v = 0; v < NV; ++v) {
-        scale[v] = W::scale(block, c + v * kWidth);
-        offset[v] = W::offset(block, c + v * kWidth);
-      }
-      for (int64_t k = 0; k < kBlock; ++k) {
-        Vec w[NV];
-        for (int v = 0; v < NV; ++v) w[v] = W::weight(block, k, c + v * kWidth, scale[v], offset[v]);
-        accumulate<MR, NV>(acc, x, K, k0 + k, w);
+      for (int64_t s = 0; s < kBlock; s += W::kSub) {
+        Vec scale[NV], offset[NV];
+        for (int v = 0; v < NV; ++v) {
+          scale[v] = W::scale(block, s, c + v * kWidth);
+          offset[v] = W::offset(block, s, c + v * kWidth);
+        }
+        for (int64_t k = s; k < s + W::kSub; ++k) {
+          Vec w[NV];
+          for (int v = 0; v < NV; ++v) w[v] = W::weight(block, k, c + v * kWidth, scale[v], offset[v]);
+          accumulate<MR, NV>(acc, x, K, k0 + k, w);
+        }
       }
     }
   } else {
@@ -191,10 +211,11 @@ void decode_panel(const W* panel, float* out, int64_t K) {
   const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
     prefetch_ahead(block, W::kBytes);
-    for (int64_t j = 0; j < kPanel; j += kWidth) {
-      const Vec scale = W::scale(block, j), offset = W::offset(block, j);
-      for (int64_t k = 0; k < kBlock; ++k) store(out + (k0 + k) * kPanel + j, W::weight(block, k, j, scale, offset));
-    }
+    for (int64_t s = 0; s < kBlock; s += W::kSub)
+      for (int64_t j = 0; j < kPanel; j += kWidth) {
+        const Vec scale = W::scale(block, s, j), offset = W::offset(block, s, j);
+        for (int64_t k = s; k < s + W::kSub; ++k) store(out + (k0 + k) * kPanel + j, W::weight(block, k, j, scale, offset));
+      }
   }
 }
 
@@ -565,9 +586,9 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   }
   TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock &&
                            (packed.size(2) == Codes8::kBytes || packed.size(2) == Codes4::kBytes ||
-                            packed.size(2) == Codes4F::kBytes)
+                            packed.size(2) == Codes4F::kBytes || packed.size(2) == Codes8H::kBytes)
                      : packed.size(1) == K && packed.size(2) == kPanel,
-              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1280, 768 or 640] (blocks) for this K");
+              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1536, 1280, 768 or 640] (blocks) for this K");
   if (M == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
     run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
@@ -575,6 +596,9 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (blocks && packed.size(2) == Codes8::kBytes)
     run(xc.data_ptr<float>(), reinterpret_cast<const Codes8*>(packed.data_ptr<uint8_t>()), panel_size, b,
+        out.data_ptr<float>(), M, N, K);
+  else if (blocks && packed.size(2) == Codes8H::kBytes)
+    run(xc.data_ptr<float>(), reinterpret_cast<const Codes8H*>(packed.data_ptr<uint8_t>()), panel_size, b,
         out.data_ptr<float>(), M, N, K);
   else if (blocks && packed.size(2) == Codes4F::kBytes)
     run(xc.data_ptr<float>(), reinterpret_cast<const Codes4F*>(packed.data_ptr<uint8_t>()), panel_size, b,

@@ -1,0 +1,240 @@
+"""kvfence against llama.cpp on the K-quant files people serve, same file, same threads, same
+run: a random-weight model of Llama-3.2-1B's shapes in llama.cpp's Q4_K_M, and the default
+SmolLM2 in its Q4_1 file and re-quantized to Q4_K_M.
+
+    python bench/models.py --llamacpp-python VENV/bin/python \\
+        --llama-batched-bench LLAMA_CPP/build/bin/llama-batched-bench [--rounds 3]
+
+VENV holds llama.cpp's quantizer and loader: `python3 -m venv VENV && VENV/bin/pip install
+llama-cpp-python==0.3.36`. llama-batched-bench is built as bench/batched.py says.
+
+The 1B model: Llama-3.2-1B's config (16 layers 2048 wide, MLP 8192, 32 heads of 64 and 8
+KV heads, tied embeddings, llama3 rope scaling written as a rope_freqs tensor), random F16
+weights, SmolLM2's tokenizer padded to 128256 ids with reserved control tokens; llama.cpp
+quantizes it to Q4_K_M. Throughput does not depend on the weights' values.
+
+Per file, each in a fresh process: load time and peak RSS (VmHWM) of kvfence (a 64-page
+pool) and of llama.cpp (llama-cpp-python, the file memory-mapped), against the file's size.
+Then bench/batched.py's scenario, 128 prompt and 128 new tokens a request: generation tok/s
+of a single stream, and output tok/s (prefill included) of 16 requests at once, both tools,
+rounds alternating; medians and the medians of the per-round ratios.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from batched import kvfence_figures, run_llamacpp
+
+from common import machine_line
+from kvfence import LLM
+from kvfence.model.loader import default_model_path, llama3_rope_factors
+
+# isort: split
+import numpy as np
+import torch  # after kvfence (see common.py)
+
+LLAMA_3_2_1B = {
+    "block_count": 16,
+    "embedding_length": 2048,
+    "feed_forward_length": 8192,
+    "attention.head_count": 32,
+    "attention.head_count_kv": 8,
+    "vocab_size": 128256,
+    "rope.freq_base": 500000.0,
+    "rope.scaling": (32.0, 1.0, 4.0, 8192),  # factor, low and high frequency factors, context
+}
+
+QUANTIZE = """
+import sys, llama_cpp
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+params.allow_requantize = True
+params.nthread = int(sys.argv[3])
+sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+"""
+
+# Each prints {"load_s", "rss_mib"}; the clock starts once the libraries are imported. The
+# peak is this process's own (VmHWM): ru_maxrss would count the parent's pages at the fork.
+KVFENCE_LOAD = """
+import json, sys, time
+from kvfence import LLM
+t = time.perf_counter()
+LLM(sys.argv[1], num_threads=int(sys.argv[2]), max_model_len=1024, num_kv_pages=64)
+rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+print(json.dumps({"load_s": time.perf_counter() - t, "rss_mib": rss}))
+"""
+LLAMACPP_LOAD = """
+import json, sys, time
+from llama_cpp import Llama
+t = time.perf_counter()
+Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=1024, verbose=False)
+rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
+print(json.dumps({"load_s": time.perf_counter() - t, "rss_mib": rss}))
+"""
+
+
+def write_random_llama(path: Path, shapes: dict, tokenizer_gguf: Path, seed: int = 0) -> None:
+    """An F16 GGUF file of random weights with `shapes`, laid out as llama.cpp's converter
+    writes a Llama 3 model, with `tokenizer_gguf`'s tokenizer padded to the vocabulary."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    reader = gguf.GGUFReader(str(tokenizer_gguf))
+    w = gguf.GGUFWriter(str(path), "llama")
+    hidden, heads = shapes["embedding_length"], shapes["attention.head_count"]
+    head_dim, vocab = hidden // heads, shapes["vocab_size"]
+    for key, value in shapes.items():
+        if key != "rope.scaling":
+            vtype = (
+                gguf.GGUFValueType.FLOAT32
+                if isinstance(value, float)
+                else gguf.GGUFValueType.UINT32
+            )
+            w.add_key_value(f"llama.{key}", value, vtype)
+    w.add_uint32("llama.context_length", 131072)
+    w.add_uint32("llama.rope.dimension_count", head_dim)
+    w.add_float32("llama.attention.layer_norm_rms_epsilon", 1e-5)
+    w.add_uint32("general.file_type", int(gguf.LlamaFileType.MOSTLY_F16))
+    for key, field in reader.fields.items():
+        if not key.startswith("tokenizer."):
+            continue
+        value = field.contents()
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
+            pad = vocab - len(value)
+            value += (
+                [f"<|reserved_special_token_{i}|>" for i in range(pad)]
+                if key.endswith("tokens")
+                else [int(gguf.TokenType.CONTROL)] * pad
+            )
+        w.add_key_value(
+            key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None
+        )
+    factor, low, high, context = shapes["rope.scaling"]
+    theta = shapes["rope.freq_base"]
+    factors = llama3_rope_factors(head_dim, theta, factor, low, high, context)
+    w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+    def weight(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    kv = shapes["attention.head_count_kv"] * head_dim
+    ffn = shapes["feed_forward_length"]
+    w.add_tensor("token_embd.weight", weight(vocab, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(shapes["block_count"]):
+        for name, rows, cols in (
+            ("attn_q", hidden, hidden),
+            ("attn_k", kv, hidden),
+            ("attn_v", kv, hidden),
+            ("attn_output", hidden, hidden),
+            ("ffn_gate", ffn, hidden),
+            ("ffn_up", ffn, hidden),
+            ("ffn_down", hidden, ffn),
+        ):
+            w.add_tensor(f"blk.{i}.{name}.weight", weight(rows, cols))
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def quantize(llamacpp_python: str, source: Path, target: Path, threads: int) -> None:
+    subprocess.run(
+        [llamacpp_python, "-c", QUANTIZE, str(source), str(target), str(threads)],
+        check=True,
+        capture_output=True,
+    )
+
+
+def load_figures(python: str, code: str, model: Path, threads: int) -> dict:
+    done = subprocess.run(
+        [python, "-c", code, str(model), str(threads)], check=True, capture_output=True, text=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--llamacpp-python", required=True, help="python of a llama-cpp-python venv")
+    ap.add_argument("--llama-batched-bench", required=True, help="llama.cpp's binary")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--work-dir", type=Path, default=None, help="where the files go (a temp dir)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvfence-models-"))
+    work.mkdir(parents=True, exist_ok=True)
+    files = {
+        "Llama-3.2-1B shapes, Q4_K_M": work / "llama-3.2-1b-random.Q4_K_M.gguf",
+        "SmolLM2-135M, Q4_1": default_model_path(),
+        "SmolLM2-135M, Q4_K_M": work / "smollm2-135m.Q4_K_M.gguf",
+    }
+    if not files["Llama-3.2-1B shapes, Q4_K_M"].exists():
+        f16 = work / "llama-3.2-1b-random.F16.gguf"
+        write_random_llama(f16, LLAMA_3_2_1B, default_model_path())
+        quantize(args.llamacpp_python, f16, files["Llama-3.2-1B shapes, Q4_K_M"], args.threads)
+        f16.unlink()
+    if not files["SmolLM2-135M, Q4_K_M"].exists():
+        quantize(
+            args.llamacpp_python, default_model_path(), files["SmolLM2-135M, Q4_K_M"], args.threads
+        )
+
+    report = {"machine": machine_line(), "files": {}}
+    for label, path in files.items():
+        loads = {
+            "kvfence": load_figures(sys.executable, KVFENCE_LOAD, path, args.threads),
+            "llama.cpp": load_figures(args.llamacpp_python, LLAMACPP_LOAD, path, args.threads),
+        }
+        llm = LLM(str(path), num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0)
+        kvfence_figures(llm, 2, 16, 2, seed=1)  # warm-up
+        rounds = []
+        for r in range(args.rounds):
+            ours = {b: kvfence_figures(llm, b, 128, 128, seed=r) for b in (1, 16)}
+            theirs = run_llamacpp(args.llama_batched_bench, path, args.threads, [1, 16], 128, 128)
+            rounds.append({"kvfence": ours, "llama.cpp": theirs})
+        del llm
+        report["files"][label] = {
+            "path": str(path),
+            "file_mib": path.stat().st_size / 2**20,
+            "load": loads,
+            "rounds": rounds,
+        }
+        print_file(label, report["files"][label])
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    print(f"machine: {report['machine']}; {args.rounds} rounds, medians")
+
+
+def print_file(label: str, result: dict) -> None:
+    rounds, file_mib = result["rounds"], result["file_mib"]
+    print(f"\n{label}: {Path(result['path']).name}, {file_mib:.0f} MiB")
+    for tool, load in result["load"].items():
+        print(
+            f"  {tool:9s} load {load['load_s']:.1f} s, peak RSS {load['rss_mib']:.0f} MiB "
+            f"({load['rss_mib'] / file_mib:.2f}x the file)"
+        )
+    for b, figure, name in (
+        (1, "generation_tok_s", "single stream"),
+        (16, "output_tok_s", "16 at once"),
+    ):
+        ours = [r["kvfence"][b][figure] for r in rounds]
+        theirs = [r["llama.cpp"][b][figure] for r in rounds]
+        ratio = statistics.median(x / y for x, y in zip(ours, theirs))
+        print(
+            f"  {name:13s} kvfence {statistics.median(ours):.1f} tok/s, "
+            f"llama.cpp {statistics.median(theirs):.1f} tok/s: {ratio:.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
