@@ -151,8 +151,17 @@ SMALL_POOL = ["--num-kv-pages", "40"]  # 640 tokens: the load below evicts cache
 def test_stale_block_reuse_is_found_by_the_audit(tmp_path):
     args = [*STALE_REUSE, *SMALL_POOL, "--kv-sentinel", "off"]
     proc, base = start_server(tmp_path, "serve", *args, env=ALLOW_FAULTS)
-    # every request in flight at once: the pool runs short while shared pages are still read
-    code, report = audit_then_stop([proc], base, "--checks", "consistency", "--concurrency", "64")
+    # Every request in flight at once, so the pool runs short while shared pages are still
+    # read. An answer changes only where a dropped page is reissued to a request that writes
+    # other KV into it (the same system prompt's KV again changes nothing), which timing
+    # decides: one of up to three audits must find it; a server without the fault passes all.
+    try:
+        for _ in range(3):
+            code, report = run_audit(base, "--checks", "consistency", "--concurrency", "64")
+            if code == 1:
+                break
+    finally:
+        stop_server(proc)
     assert code == 1, report
     assert "consistency" in audit_checks(report), report["findings"]
 
