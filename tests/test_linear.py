@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from helpers import random_k_quant_blocks
-from kvfence.model.kernels import build, cpu_variant, linear_kernel
+from kvfence.model.kernels import build, cpu_variant, linear_kernel, packed_rows_kernel
 from kvfence.model.linear import (
     ONEDNN_MIN_ROWS,
     Linear,
@@ -13,7 +13,7 @@ from kvfence.model.linear import (
     pack,
     pack_for_int8,
 )
-from kvfence.model.loader import blocks_to_float, gguf_blocks
+from kvfence.model.loader import BLOCK_BYTES, _cat_rows, blocks_to_float, gguf_blocks
 
 
 @pytest.fixture(scope="module", params=["this CPU's", "avx2"])
@@ -145,29 +145,55 @@ def gguf_weights(
         ("Q5_0", 0.1, 96, 1280),
         ("Q5_1", 0.1, 96, 1280),
         ("Q8_0", 0.1, 96, 1280),
-        ("Q4_K", 0.1, 512, 768),  # sub-block scales d * sc need more bits than fp16's
-        ("Q5_K", 0.1, 512, 1280),
-        ("Q6_K", 0.1, 512, 1536),  # a scale per 16 weights
+        # the K-quants in their own super-blocks of 256 weights, at their file's bytes a weight
+        ("Q4_K", 0.1, 512, 4736),
+        ("Q5_K", 0.1, 512, 6784),
+        ("Q6_K", 0.1, 512, 6720),
+        ("Q6_K", 3e3, 768, 6720),  # d * sc * 63 far beyond fp16
         ("Q4_0", 5e4, 96, 768),  # -8 x scale overflows fp16: fp32 scales
     ],
 )
 def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, k, block_bytes):
     """Each type's blocks decode to exactly gguf-py's dequantized values, and the kernel on
-    them gives the kernel's results on those fp32 values, in either packed block format."""
+    them gives the kernel's results on those fp32 values, in each packed block format."""
     blocks, reference = gguf_weights(kind, 70, k, magnitude, seed=2)
     gen = torch.Generator().manual_seed(2)
-    assert blocks.shape == (70, k // 16 * 24) and blocks.dtype == torch.uint8
+    if kind.endswith("_K"):  # the file's blocks as they are
+        assert blocks.shape == (70, k // 256, BLOCK_BYTES[kind])
+    else:
+        assert blocks.shape == (70, k // 16 * 24)
+    assert blocks.dtype == torch.uint8
     assert torch.equal(blocks_to_float(blocks), reference)  # as values: d * (8 - 8) may be -0
     bias = torch.randn(70, generator=gen)
     for m in (1, 7, 12, 40):
         x = torch.randn(m, k, generator=gen)
         assert torch.equal(kernel(x, pack(blocks), 70, bias), kernel(x, pack(reference), 70, bias))
     with pytest.raises(RuntimeError, match="weights"):  # blocks packed for another K
-        kernel(torch.randn(2, 64), pack(blocks), 70, None)
+        kernel(torch.randn(2, k - 32 if kind.endswith("_K") else 64), pack(blocks), 70, None)
+    # rows read back from the packed blocks (a tied embedding's lookup) are gguf's values
+    rows = packed_rows_kernel("cpu")
+    ids = torch.tensor([0, 69, 31, 32, 5, 5])
+    assert torch.equal(rows(pack(blocks), ids, k), reference[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        rows(pack(blocks), torch.tensor([96]), k)
     layer = Linear(blocks, None, torch.float32, torch.device("cpu"), kernel)
     # per weight: 0.625 bytes with 4-bit codes and fp16 scales, 0.75 with fp32 scales, 1.25
-    # with 8-bit codes, 1.5 with scales per 16 weights; fp32 would be 4
-    assert layer.weight is None and layer.packed.shape == (3, k // 32, block_bytes)
+    # with 8-bit codes; Q4_K 0.58, Q5_K 0.83, Q6_K 0.82; fp32 would be 4
+    group = 256 if kind.endswith("_K") else 32
+    assert layer.weight is None and layer.packed.shape == (3, k // group, block_bytes)
+
+
+def test_a_fused_matrix_of_two_k_quants_runs_in_sub_blocks(kernel):
+    """Q/K/V of Q4_K beside a Q6_K V (llama.cpp's Q4_K_M) share no super-block layout: they
+    meet in sub-blocks, with a scale per 16 weights, and keep the fp32 values' results."""
+    q, q_ref = gguf_weights("Q4_K", 64, 512, 0.1, seed=4)
+    v, v_ref = gguf_weights("Q6_K", 32, 512, 0.1, seed=5)
+    fused = _cat_rows([q, v])
+    assert fused.shape == (96, 512 // 16 * 24)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    reference = torch.cat([q_ref, v_ref])
+    assert torch.equal(kernel(x, pack(fused), 96, None), kernel(x, pack(reference), 96, None))
+    assert pack(fused).shape == (3, 512 // 32, 1536)
 
 
 def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):

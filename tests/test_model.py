@@ -228,8 +228,10 @@ def test_q4_k_m_file_runs_in_blocks_and_matches_transformers(q4_k_m_path):
     llm = LLM(str(q4_k_m_path), num_threads=2, max_model_len=1024, num_kv_pages=400)
     assert llm.engine.config.dtype == "gguf"
     layers = llm.engine.runner.model.layers
-    assert {layers[i].down.packed.shape[2] for i in range(30)} == {768, 1536}
+    # the down projections in the file's own Q4_K and Q6_K super-blocks
+    assert {layers[i].down.packed.shape[2] for i in range(30)} == {4736, 6720}
     assert all(layer.qkv.packed.dtype == torch.uint8 for layer in layers)
+    assert llm.engine.runner.model.embed is None  # tied: looked up in the output layer's blocks
     hf = AutoModelForCausalLM.from_pretrained(
         str(q4_k_m_path.parent), gguf_file=q4_k_m_path.name, dtype=torch.float32
     ).eval()
@@ -263,6 +265,7 @@ def test_gguf_blocks_give_the_float32_results_bit_for_bit(real_llm):
     assert (
         model.layers[0].qkv.packed.shape[2] == 640 and model.lm_head.packed.shape[2] == 1280
     )  # 4-bit, 8-bit
+    assert model.embed is None  # tied: the lookup decodes rows of the output layer's blocks
     fp32 = LLM(num_threads=2, max_model_len=2048, num_kv_pages=1024, dtype="float32")
     assert fp32.engine.runner.model.layers[0].qkv.packed.dtype == torch.float32
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)

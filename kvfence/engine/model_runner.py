@@ -1,6 +1,7 @@
 """Loads the model; turns a scheduled batch into tensors, checks ownership, and runs the
 model once."""
 
+import ctypes
 import logging
 from pathlib import Path
 from typing import Callable
@@ -46,7 +47,17 @@ def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig
     model = LlamaModel(
         model_config, weights, config.device, dtype, int8_activations=config.dtype == "gguf-int8"
     )
+    _return_freed_heap()
     return path, model_config, model
+
+
+def _return_freed_heap() -> None:
+    """Hands the memory the load's temporaries freed back to the system: glibc keeps freed
+    heap pages in the process (about 200 MB after a 1B model) unless asked."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to ask
+        pass
 
 
 class ModelRunner:

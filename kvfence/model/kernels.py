@@ -87,3 +87,12 @@ def linear_kernel(device: str):
         return None
     module = build("linear")
     return None if module is None else module.packed_linear
+
+
+def packed_rows_kernel(device: str):
+    """Rows of a linear kernel's packed blocks as fp32 (a tied embedding's lookup from the
+    output layer's weights), or None where that kernel is missing."""
+    if device != "cpu":
+        return None
+    module = build("linear")
+    return None if module is None else module.packed_rows

@@ -4,10 +4,18 @@ blocks): bf16 layers hand bf16 on, which spares a conversion each way on every c
 
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvfence.model.loader import SUB_BLOCK_BYTES, blocks_to_float
+from kvfence.model.loader import (
+    SUB_BLOCK_BYTES,
+    SUPER_BLOCK_TYPES,
+    blocks_to_float,
+    k_quant_nibbles,
+    q6_k_codes,
+    sub_blocks,
+)
 
 PANEL = 32  # weight rows per panel of csrc/linear.cpp
 ONEDNN_MIN_ROWS = 8  # bf16: from this many rows oneDNN's prepacked bf16 GEMM beats the kernel
@@ -36,6 +44,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.uint8:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
+    if weight.dim() == 3:
+        return _in_chunks(weight, pack_super_blocks)
     shared, nibbles, fp16 = True, True, True  # one layout for the whole matrix
     for part in _panel_chunks(weight):
         codes, scales = block_panels(part)
@@ -61,9 +71,21 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
             dim=2,
         )
 
-    first, *rest = _panel_chunks(weight)
+    return _in_chunks(weight, packed)
+
+
+def _panel_chunks(blocks: torch.Tensor) -> list[torch.Tensor]:
+    """Blocks in whole panels of a few MB: packed at once, a large matrix's temporaries would
+    be several times its size."""
+    rows = PANEL * max(1, (2 << 20) // (PANEL * blocks[0].numel()))
+    return [blocks[r : r + rows] for r in range(0, blocks.shape[0], rows)]
+
+
+def _in_chunks(blocks: torch.Tensor, packed: Callable) -> torch.Tensor:
+    """packed(chunk) of each of _panel_chunks' chunks, into one tensor of panels."""
+    first, *rest = _panel_chunks(blocks)
     panels = packed(first)
-    out = torch.empty((-(-weight.shape[0] // PANEL), *panels.shape[1:]), dtype=torch.uint8)
+    out = torch.empty((-(-blocks.shape[0] // PANEL), *panels.shape[1:]), dtype=torch.uint8)
     out[: len(panels)] = panels
     at = len(panels)
     for part in rest:
@@ -73,11 +95,52 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _panel_chunks(blocks: torch.Tensor) -> list[torch.Tensor]:
-    """Blocks in whole panels of a few MB: packed at once, a large matrix's temporaries would
-    be several times its size."""
-    rows = PANEL * max(1, (8 << 20) // (PANEL * blocks.shape[1]))
-    return [blocks[r : r + rows] for r in range(0, blocks.shape[0], rows)]
+def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K, Q5_K or Q6_K rows (uint8 [N, K/256, bytes], the file's blocks) -> csrc/linear.cpp's
+    super-block layout, [ceil(N/32), K/256, bytes]: per panel and 256 k, the 32 rows' d (fp16)
+    and, but for Q6_K, their dmin; then per 32 k the rows' scales (Q6_K: int8 for each 16 k)
+    and mins (6 bits in a byte), the codes' low nibbles as the 4-bit layout, and 8 bytes a k
+    of their high bits, byte l holding rows l, l + 8, l + 16 and l + 24's from bit 0 up.
+    Q4_K: 4,736 bytes, 0.58 a weight; Q5_K 6,784, 0.83; Q6_K 6,720, 0.82."""
+    from gguf.quants import Q4_K
+
+    kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
+    raw = F.pad(blocks, (0, 0, 0, 0, 0, -blocks.shape[0] % PANEL)).numpy()
+    p, n = raw.shape[0] // PANEL, raw.shape[1]
+    raw = raw.reshape(-1, raw.shape[2])
+
+    def per_panel(t: np.ndarray, *inner: int) -> np.ndarray:
+        """Per-block values [rows x blocks, *inner] -> [P, K/256, *inner, 32 rows]."""
+        t = t.reshape(p, PANEL, n, *inner)
+        return np.moveaxis(t, 1, -1)
+
+    if kind == "Q6_K":
+        header = [per_panel(raw[:, 208:210], 2)]  # d
+        scales = per_panel(raw[:, 192:208], 8, 2)  # [P, S, block, half, row], int8
+        codes = q6_k_codes(raw)
+    else:
+        header = [per_panel(raw[:, 0:2], 2), per_panel(raw[:, 2:4], 2)]  # d, dmin
+        sc, m = Q4_K.get_scale_min(raw[:, 4:16])
+        scales = np.stack([per_panel(sc, 8), per_panel(m, 8)], axis=3)  # [P, S, block, 2, row]
+        codes = k_quant_nibbles(raw[:, -128:]).reshape(-1, 256)
+        if kind == "Q5_K":
+            qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            codes |= (qh & 1).reshape(-1, 256) << 4
+    # header bytes [P, S, 2, 32 rows] -> [P, S, 32 rows, 2]: each row's fp16 in order
+    header = np.concatenate([np.swapaxes(h, 2, 3).reshape(p, n, -1) for h in header], axis=2)
+    codes = per_panel(codes, 8, 32)  # [P, S, block, k, row]
+    low = codes & 15
+    parts = [
+        scales.reshape(p, n, 8, -1),
+        (low[..., :16] | low[..., 16:] << 4).reshape(p, n, 8, -1),
+    ]
+    high_bits = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[kind]
+    if high_bits:  # byte l of a k: rows l, l + 8, l + 16, l + 24, high_bits each
+        high = (codes >> 4).reshape(p, n, 8, 32, 4, 8)
+        shifts = (high_bits * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+        parts.append(np.bitwise_or.reduce(high << shifts, axis=4).reshape(p, n, 8, -1))
+    blocks_out = np.concatenate(parts, axis=3).reshape(p, n, -1)
+    return torch.from_numpy(np.concatenate([header, blocks_out], axis=2))
 
 
 def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
@@ -86,7 +149,7 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
     offsets, [ceil(N/32), K/32, 640]; or Q8_0's signed codes with fp16 scales,
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
     vpmaddubsw multiplies them in."""
-    codes, scales = block_panels(blocks)
+    codes, scales = block_panels(sub_blocks(blocks))
     if not torch.equal(scales[..., 0, :], scales[..., 1, :]):
         raise ValueError("8-bit activations need blocks with one scale per 32 weights")
     scales = scales[..., 0, :]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
-from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel
+from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel, packed_rows_kernel
 from kvfence.model.linear import Linear
 from kvfence.model.loader import Weights, blocks_to_float
 
@@ -109,8 +109,10 @@ class LlamaModel:
         def lin(w, b=None):
             return Linear(w, b, dtype, self.device, kernel, int8_activations)
 
-        # GGUF blocks stay blocks: a lookup decodes only the rows it takes
-        self.embed = weights.embed if weights.embed.dtype == torch.uint8 else fp32(weights.embed)
+        self.lm_head = lin(weights.lm_head)
+        self.embed, self.lookup = self._lookup(
+            weights, self.lm_head, packed_rows_kernel(self.device.type)
+        )
         self.layers = [
             Layer(
                 fp32(w.attn_norm),
@@ -125,7 +127,6 @@ class LlamaModel:
             for w in weights.layers
         ]
         self.final_norm = fp32(weights.final_norm)
-        self.lm_head = lin(weights.lm_head)
         d = config.head_dim
         self.inv_freq = 1.0 / (
             config.rope_theta
@@ -174,6 +175,23 @@ class LlamaModel:
             (-freqs.sin(), freqs.sin()), dim=-1
         )
 
+    def _lookup(self, weights: Weights, head: Linear, packed_rows) -> tuple:
+        """The embedding the model keeps (None: the output layer's) and its lookup, ids -> fp32
+        rows. A tied embedding in blocks is read from the output layer's packed blocks, so the
+        matrix is held once; other blocks stay blocks, and a lookup decodes only its rows."""
+        embed, hidden, packed = weights.embed, self.config.hidden_size, head.packed
+        if embed.dtype != torch.uint8:
+            table = embed.to(self.device, torch.float32)
+            return table, lambda ids: table[ids]
+        if (
+            weights.lm_head is embed
+            and packed_rows
+            and packed is not None
+            and packed.dtype == torch.uint8
+        ):
+            return None, lambda ids: packed_rows(packed, ids, hidden)
+        return embed, lambda ids: blocks_to_float(embed[ids])
+
     def norm_qk(self, qkv: torch.Tensor, layer: Layer) -> torch.Tensor:
         """Qwen3's RMSNorm over each query and key head of qkv; V passes through."""
         cfg, rows = self.config, qkv.shape[0]
@@ -209,9 +227,7 @@ class LlamaModel:
         eps, ops = cfg.rms_norm_eps, self.ops
         cos, sin = self.rope(positions)
         # The fp32 residual stream; each layer's output is added in the next norm.
-        x = self.embed[input_ids]
-        if x.dtype == torch.uint8:
-            x = blocks_to_float(x)
+        x = self.lookup(input_ids)
         delta = None
         if (
             self.decode_layers is not None

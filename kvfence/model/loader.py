@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import math
+import mmap
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,8 @@ def load_model(
     """keep_blocks: the linear weights and embedding of a type in BLOCK_BYTES stay in the GGUF
     file's quantized blocks (see gguf_blocks), the others become fp32. int8: for 8-bit
     activations, which need every linear weight in INT8_BLOCK_TYPES. reader: the file's
-    open_gguf where the caller has it (parsing a large vocabulary takes seconds)."""
+    open_gguf where the caller has it (parsing a large vocabulary takes seconds); the load
+    spends it, dropping its vocabulary."""
     if path.is_file():
         return _load_gguf(path, reader or open_gguf(path), progress, keep_blocks, int8)
     if keep_blocks:
@@ -142,15 +144,22 @@ def _fuse(
         bias = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
     return LayerWeights(
         attn_norm=t["attn_norm"],
-        qkv=torch.cat([t["q"], t["k"], t["v"]]).contiguous(),
+        qkv=_cat_rows([t["q"], t["k"], t["v"]]),
         qkv_bias=bias,
         o=t["o"].contiguous(),
         ffn_norm=t["ffn_norm"],
-        gate_up=torch.cat([t["gate"], t["up"]]).contiguous(),
+        gate_up=_cat_rows([t["gate"], t["up"]]),
         down=t["down"].contiguous(),
         q_norm=t.get("q_norm") if config.qk_norm else None,
         k_norm=t.get("k_norm") if config.qk_norm else None,
     )
+
+
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One matrix of the parts' rows; blocks of different types meet in sub-blocks."""
+    if len({p.shape[1:] for p in parts}) > 1:
+        parts = [sub_blocks(p) for p in parts]
+    return torch.cat(parts).contiguous()
 
 
 def _layer_names(config: ModelConfig, names: dict[str, str]) -> list[str]:
@@ -323,6 +332,9 @@ BLOCK_BYTES = {
     "Q5_K": 176,
     "Q6_K": 210,
 }
+# Kept in their own super-blocks of 256 weights, as uint8 [N, K/256, bytes a block]: the
+# kernel decodes them there (linear.pack_super_blocks), at the file's bytes a weight.
+SUPER_BLOCK_TYPES = {BLOCK_BYTES[kind]: kind for kind in ("Q4_K", "Q5_K", "Q6_K")}
 INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # those 8-bit activations (gguf-int8) run on
 SUB_BLOCK = 16  # weights per scale in gguf_blocks: Q6_K's, the finest of BLOCK_BYTES
 SUB_BLOCK_BYTES = 8 + SUB_BLOCK  # fp32 scale and offset, then a code a weight
@@ -347,16 +359,16 @@ def _k_quant_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.reshape(-1), (-(_fp16(raw, 2) * m.astype(np.float32))).reshape(-1)
 
 
-def _k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
+def k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
     """128 bytes of K-quant codes -> [8 sub-blocks, 32] low nibbles: sub-block 2i is the low
     nibbles of bytes 32i..32i+31, sub-block 2i+1 their high nibbles."""
     qs = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     return (qs & 15).reshape(-1, 32)
 
 
-def _q6_k_codes(raw: np.ndarray) -> np.ndarray:
+def q6_k_codes(raw: np.ndarray) -> np.ndarray:
     """Q6_K's 256 6-bit codes a block, in gguf's order: the low 4 bits from 128 bytes of
-    nibbles (as _k_quant_nibbles, in halves of 64 bytes), the high 2 from 64 bytes of pairs."""
+    nibbles (as k_quant_nibbles, in halves of 64 bytes), the high 2 from 64 bytes of pairs."""
     low = raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
     high = raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
         1, 1, 4, 1
@@ -365,23 +377,35 @@ def _q6_k_codes(raw: np.ndarray) -> np.ndarray:
 
 
 def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
-    """Rows of blocks of a type in BLOCK_BYTES as rows of 24-byte sub-blocks of 16 weights:
+    """A tensor of a type in BLOCK_BYTES as the model keeps it: K-quants in their own blocks
+    (uint8 [N, K/256, bytes]), the other types in sub-blocks (see sub_blocks)."""
+    if kind in SUPER_BLOCK_TYPES.values():
+        return torch.from_numpy(np.array(data).reshape(data.shape[0], -1, BLOCK_BYTES[kind]))
+    return torch.from_numpy(_by_rows(data, lambda rows: _sub_blocks(rows, kind)))
+
+
+def sub_blocks(blocks: torch.Tensor) -> torch.Tensor:
+    """Blocks as gguf_blocks keeps them -> rows of 24-byte sub-blocks of 16 weights:
     scale and offset (fp32), then 16 codes (uint8), with weight = scale * code + offset (types
     with a scale per 32 weights give two sub-blocks the same one). gguf dequantizes each of
     these types with one rounding after an exact product, so one fused multiply-add of scale,
-    code and offset gives its fp32 values bit for bit."""
-    return torch.from_numpy(_by_rows(data, lambda rows: _sub_blocks(rows, kind)))
+    code and offset gives its fp32 values bit for bit. Sub-blocks take any mix of types."""
+    if blocks.dim() == 2:
+        return blocks
+    kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
+    rows = blocks.numpy().reshape(blocks.shape[0], -1)
+    return torch.from_numpy(_by_rows(rows, lambda part: _sub_blocks(part, kind)))
 
 
 def _sub_blocks(data: np.ndarray, kind: str) -> np.ndarray:
     raw = data.reshape(-1, BLOCK_BYTES[kind])
     if kind == "Q6_K":  # w = d * sc * (q - 32), sc an int8 per 16 weights
         scale = (_fp16(raw, 208) * raw[:, 192:208].view(np.int8).astype(np.float32)).reshape(-1)
-        codes = _q6_k_codes(raw)
+        codes = q6_k_codes(raw)
         offset = -32 * scale
     elif kind in ("Q4_K", "Q5_K"):  # w = d * sc * q - dmin * m, per sub-block of 32
         scale, offset = _k_quant_scales(raw)
-        codes = _k_quant_nibbles(raw[:, -128:])
+        codes = k_quant_nibbles(raw[:, -128:])
         if kind == "Q5_K":  # bit j of byte k is the fifth bit of weight k of sub-block j
             qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
             codes |= (qh & 1).reshape(-1, 32) << 4
@@ -420,7 +444,7 @@ def blocks_to_float(blocks: torch.Tensor) -> torch.Tensor:
     """gguf_blocks' rows back to fp32 weights: scale * code is exact (at most 24 bits: an
     fp16's 11 times Q6_K's 7-bit scale and 6-bit code), so the one rounding of the add gives
     the values gguf dequantizes to."""
-    b = blocks.view(blocks.shape[0], -1, SUB_BLOCK_BYTES)
+    b = sub_blocks(blocks).view(blocks.shape[0], -1, SUB_BLOCK_BYTES)
     scale, offset = (
         b[..., 0:4].contiguous().view(torch.float32),
         b[..., 4:8].contiguous().view(torch.float32),
@@ -480,6 +504,16 @@ def _kept_line(path: Path, tensors: list, kept: set[str]) -> str:
     return line
 
 
+def _drop_mapped_pages(reader, tensor) -> None:
+    """Takes a tensor's pages of the memory-mapped file out of this process once it is copied
+    (the kernel keeps them in the page cache): every page read would otherwise stay resident
+    to the end of the load, the whole file beside the weights made from it."""
+    start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
+    reader.data._mmap.madvise(
+        mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start
+    )
+
+
 def _by_rows(data: np.ndarray, convert) -> np.ndarray:
     """convert(rows) of a tensor into one array, a few MB of rows at a time: at once, its
     temporaries would be several times the tensor's size."""
@@ -521,6 +555,10 @@ def _load_gguf(
     from gguf.quants import dequantize
 
     config = gguf_model_config(reader)
+    # gguf parses each token of the vocabulary into numpy views of its own, hundreds of MB for
+    # 128k tokens, which nothing reads past the configuration (the tokenizer reads the file).
+    for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
+        del reader.fields[key]
     _check_tensors(
         path, {t.name for t in reader.tensors}, _gguf_tensor_names(config), ["rope_freqs.weight"]
     )
@@ -543,7 +581,9 @@ def _load_gguf(
 
     def read(name: str) -> torch.Tensor:
         t = by_name[name]
-        return gguf_blocks(t.data, t.tensor_type.name) if name in kept else fp32(name)
+        weight = gguf_blocks(t.data, t.tensor_type.name) if name in kept else fp32(name)
+        _drop_mapped_pages(reader, t)
+        return weight
 
     embed = read("token_embd.weight")
     weights = Weights(

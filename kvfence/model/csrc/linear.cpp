@@ -11,7 +11,10 @@
 //   4-bit blocks with fp32 scales: [N/32, K/32, 768] bytes: the 8-bit layout's scales and
 //                 offsets, then the 4-bit layout's codes (Q4_K: its d * sc needs fp32).
 //   8-bit blocks in halves: [N/32, K/32, 1536] bytes: for each 16 k, the 32 rows' scales and
-//                 offsets (fp32), then the 8-bit layout's codes (Q6_K: a scale per 16 k).
+//                 offsets (fp32), then the 8-bit layout's codes (a matrix that mixes Q6_K's
+//                 scale per 16 k with other types, as a fused Q/K/V may).
+//   K-quant super-blocks: [N/32, K/256, 4736 (Q4_K), 6784 (Q5_K) or 6720 (Q6_K)] bytes: the
+//                 file's own scales per 256 k (see SuperBlocks), about its bytes a weight.
 //                 Every way w = fma(scale, code, offset), which is exactly the fp32 value gguf
 //                 dequantizes the block to (see model/loader.py, gguf_blocks).
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
@@ -59,6 +62,26 @@ inline Vec load_nibbles(const uint8_t* p, bool high) {
   // against a mask and a conversion (the single stream is bound by instructions here).
   return _mm512_permutexvar_ps(c, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
 }
+// Integer lanes, for codes assembled from bits before their conversion to floats.
+using Ints = __m512i;
+inline Ints ints_u8(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Ints ints_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline Ints nibbles(const uint8_t* p, bool high) {
+  const Ints c = ints_u8(p);
+  return high ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
+}
+// Codes' high bits, 8 bytes a k: byte l holds `bits` of rows l, l + 8, l + 16 and l + 24 each,
+// from bit 0 up. Returns those of rows j..j + 15, at bit 4 up, OR-ed into their low 4 bits.
+inline Ints with_high(Ints low, const uint8_t* p, int64_t j, int bits) {
+  int64_t eight;
+  std::memcpy(&eight, p, 8);
+  const Ints c = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_set1_epi64x(eight)), 4);  // rows j + l, j + 8 + l
+  const Ints at = _mm512_add_epi32(_mm512_set1_epi32(bits * (j / 8)),
+                                   _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, bits, bits, bits, bits, bits, bits, bits, bits));
+  return _mm512_or_si512(low, _mm512_and_si512(_mm512_srlv_epi32(c, at), _mm512_set1_epi32(((1 << bits) - 1) << 4)));
+}
+inline Vec to_vec(Ints v) { return _mm512_cvtepi32_ps(v); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline __mmask16 lanes(int64_t n) { return n >= kWidth ? 0xFFFF : n <= 0 ? 0 : (1u << n) - 1; }
 inline Vec load_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
 inline void store_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
@@ -83,6 +106,20 @@ inline Vec load_nibbles(const uint8_t* p, bool high) {
   const __m256i c = widen_u8(p);
   return _mm256_cvtepi32_ps(high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(15)));
 }
+using Ints = __m256i;
+inline Ints ints_u8(const uint8_t* p) { return widen_u8(p); }
+inline Ints ints_i8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline Ints nibbles(const uint8_t* p, bool high) {
+  const Ints c = widen_u8(p);
+  return high ? _mm256_srli_epi32(c, 4) : _mm256_and_si256(c, _mm256_set1_epi32(15));
+}
+inline Ints with_high(Ints low, const uint8_t* p, int64_t j, int bits) {
+  const Ints c = _mm256_slli_epi32(widen_u8(p), 4);  // the same for every j: loaded once a k
+  const Ints at = _mm256_set1_epi32(bits * (j / 8));
+  return _mm256_or_si256(low, _mm256_and_si256(_mm256_srlv_epi32(c, at), _mm256_set1_epi32(((1 << bits) - 1) << 4)));
+}
+inline Vec to_vec(Ints v) { return _mm256_cvtepi32_ps(v); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline __m256i lanes(int64_t n) {
   const int count = static_cast<int>(std::clamp<int64_t>(n, 0, kWidth));
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -110,15 +147,16 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + kAhead + b, _MM_HINT_T0);
 }
 
-// The block formats. Pointers to them step in bytes. For the vector of columns
-// [j, j + kWidth) of a block: scale() and offset() once per kSub k from k = s on, weight() at
-// its k-th step, decoded as gguf does.
+// The block formats. Pointers to them step in bytes. Blocks of 32 k follow each other, kGroup
+// of them after a header of kHeader bytes (the K-quants' super-blocks of 256 k; the others
+// have none). For the vector of columns [j, j + kWidth) of a block: scale() and offset() once
+// per kSub k from k = s on, weight() at its k-th step, decoded as gguf does.
 struct Codes8 {
   uint8_t byte;
-  static constexpr int64_t kSub = 32;
+  static constexpr int64_t kSub = 32, kGroup = 1, kHeader = 0;
   static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel;
-  static Vec scale(const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + j); }
-  static Vec offset(const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + kPanel + j); }
+  static Vec scale(const uint8_t*, const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + j); }
+  static Vec offset(const uint8_t*, const uint8_t* block, int64_t, int64_t j) { return load(reinterpret_cast<const float*>(block) + kPanel + j); }
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_u8(block + 2 * kPanel * 4 + k * kPanel + j), offset);
   }
@@ -126,10 +164,10 @@ struct Codes8 {
 
 struct Codes4 {
   uint8_t byte;
-  static constexpr int64_t kSub = 32;
+  static constexpr int64_t kSub = 32, kGroup = 1, kHeader = 0;
   static constexpr int64_t kBytes = 2 * kPanel * 2 + kBlock * kPanel / 2;
-  static Vec scale(const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * j); }
-  static Vec offset(const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * (kPanel + j)); }
+  static Vec scale(const uint8_t*, const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * j); }
+  static Vec offset(const uint8_t*, const uint8_t* block, int64_t, int64_t j) { return load_fp16(block + 2 * (kPanel + j)); }
   // Column j < 16 is the low nibble of byte j, column j >= 16 the high nibble of byte j - 16.
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_nibbles(block + 2 * kPanel * 2 + k * kPanel / 2 + j % 16, j >= 16), offset);
@@ -138,10 +176,10 @@ struct Codes4 {
 
 struct Codes4F {
   uint8_t byte;
-  static constexpr int64_t kSub = 32;
+  static constexpr int64_t kSub = 32, kGroup = 1, kHeader = 0;
   static constexpr int64_t kBytes = 2 * kPanel * 4 + kBlock * kPanel / 2;
-  static Vec scale(const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(block, s, j); }
-  static Vec offset(const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(block, s, j); }
+  static Vec scale(const uint8_t* h, const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(h, block, s, j); }
+  static Vec offset(const uint8_t* h, const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(h, block, s, j); }
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_nibbles(block + 2 * kPanel * 4 + k * kPanel / 2 + j % 16, j >= 16), offset);
   }
@@ -149,21 +187,56 @@ struct Codes4F {
 
 struct Codes8H {
   uint8_t byte;
-  static constexpr int64_t kSub = 16;
+  static constexpr int64_t kSub = 16, kGroup = 1, kHeader = 0;
   static constexpr int64_t kScales = 2 * (kBlock / kSub) * kPanel * 4;  // bytes of scales and offsets
   static constexpr int64_t kBytes = kScales + kBlock * kPanel;
-  static Vec scale(const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(block + s / kSub * 2 * kPanel * 4, 0, j); }
-  static Vec offset(const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(block + s / kSub * 2 * kPanel * 4, 0, j); }
+  static Vec scale(const uint8_t* h, const uint8_t* block, int64_t s, int64_t j) { return Codes8::scale(h, block + s / kSub * 2 * kPanel * 4, 0, j); }
+  static Vec offset(const uint8_t* h, const uint8_t* block, int64_t s, int64_t j) { return Codes8::offset(h, block + s / kSub * 2 * kPanel * 4, 0, j); }
   static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
     return fmadd(scale, load_u8(block + kScales + k * kPanel + j), offset);
   }
 };
 
-static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1 && sizeof(Codes8H) == 1);
+// The K-quants in their own super-blocks of 256 k (model/linear.py, pack_super_blocks): a
+// header of the 32 rows' d (fp16), and for Q4_K/Q5_K their dmin, then 8 blocks of 32 k, each
+// with the rows' 6-bit scales (Q6_K: int8, one per 16 k) and Q4_K/Q5_K's mins (uint8), the low
+// 4 bits of the codes laid out as Codes4's, then 8 bytes a k of the codes' high bits (see
+// with_high: a vector's lanes take them with one shift, wherever its rows are).
+// gguf's scale d * sc and offset -dmin * m (Q6_K: -32 d sc) are products of an fp16 and a
+// 6-bit integer, exact in fp32, so the kernel makes them from their parts with gguf's bits.
+template <int kHighBits>
+struct SuperBlocks {
+  uint8_t byte;
+  static constexpr bool kMins = kHighBits < 2;  // Q4_K, Q5_K; Q6_K's offset is -32 scale
+  static constexpr int64_t kSub = kMins ? 32 : 16, kGroup = 8;
+  static constexpr int64_t kHeader = kPanel * 2 * (kMins ? 2 : 1);
+  static constexpr int64_t kScales = 2 * kPanel;  // bytes of scales (and mins) a block
+  static constexpr int64_t kBytes = kScales + kBlock * kPanel / 2 + (kHighBits ? kBlock * 8 : 0);
+  static Vec scale(const uint8_t* header, const uint8_t* block, int64_t s, int64_t j) {
+    const Vec d = load_fp16(header + 2 * j);
+    if constexpr (kMins) return mul(d, to_vec(ints_u8(block + j)));
+    return mul(d, to_vec(ints_i8(block + s / kSub * kPanel + j)));
+  }
+  static Vec offset(const uint8_t* header, const uint8_t* block, int64_t s, int64_t j) {
+    if constexpr (kMins) return mul(load_fp16(header + 2 * (kPanel + j)), mul(to_vec(ints_u8(block + kPanel + j)), broadcast(-1.f)));
+    return mul(scale(header, block, s, j), broadcast(-32.f));
+  }
+  static Vec weight(const uint8_t* block, int64_t k, int64_t j, Vec scale, Vec offset) {
+    Ints code = nibbles(block + kScales + k * kPanel / 2 + j % 16, j >= 16);
+    if constexpr (kHighBits > 0) code = with_high(code, block + kScales + kBlock * kPanel / 2 + k * 8, j, kHighBits);
+    return fmadd(scale, to_vec(code), offset);
+  }
+};
+using Q4K = SuperBlocks<0>;
+using Q5K = SuperBlocks<1>;
+using Q6K = SuperBlocks<2>;
+
+static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1 && sizeof(Codes8H) == 1 && sizeof(Q4K) == 1);
 
 template <typename W>
-constexpr bool is_blocks =
-    std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4> || std::is_same_v<W, Codes4F> || std::is_same_v<W, Codes8H>;
+constexpr bool is_blocks = std::is_same_v<W, Codes8> || std::is_same_v<W, Codes4> || std::is_same_v<W, Codes4F> ||
+                           std::is_same_v<W, Codes8H> || std::is_same_v<W, Q4K> || std::is_same_v<W, Q5K> ||
+                           std::is_same_v<W, Q6K>;
 
 template <int MR, int NV>
 inline void accumulate(Vec (&acc)[MR][NV], const float* x, int64_t K, int64_t k, const Vec (&w)[NV]) {
@@ -178,14 +251,19 @@ inline void accumulate(Vec (&acc)[MR][NV], const float* x, int64_t K, int64_t k,
 template <int MR, int NV, int64_t c, typename W>
 void multiply(Vec (&acc)[MR][NV], const float* x, const W* panel, int64_t K) {
   if constexpr (is_blocks<W>) {
-    const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
+    const uint8_t *block = reinterpret_cast<const uint8_t*>(panel), *header = block;
     for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
+      if (k0 % (kBlock * W::kGroup) == 0) {
+        header = block;
+        block += W::kHeader;
+        prefetch_ahead(block, W::kHeader);
+      }
       prefetch_ahead(block, W::kBytes);
       for (int64_t s = 0; s < kBlock; s += W::kSub) {
         Vec scale[NV], offset[NV];
         for (int v = 0; v < NV; ++v) {
-          scale[v] = W::scale(block, s, c + v * kWidth);
-          offset[v] = W::offset(block, s, c + v * kWidth);
+          scale[v] = W::scale(header, block, s, c + v * kWidth);
+          offset[v] = W::offset(header, block, s, c + v * kWidth);
         }
         for (int64_t k = s; k < s + W::kSub; ++k) {
           Vec w[NV];
@@ -208,14 +286,40 @@ void multiply(Vec (&acc)[MR][NV], const float* x, const W* panel, int64_t K) {
 // A panel of blocks decoded to the fp32 panel layout, for several row tiles to share.
 template <typename W>
 void decode_panel(const W* panel, float* out, int64_t K) {
-  const uint8_t* block = reinterpret_cast<const uint8_t*>(panel);
+  const uint8_t *block = reinterpret_cast<const uint8_t*>(panel), *header = block;
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
+    if (k0 % (kBlock * W::kGroup) == 0) {
+      header = block;
+      block += W::kHeader;
+      prefetch_ahead(block, W::kHeader);
+    }
     prefetch_ahead(block, W::kBytes);
     for (int64_t s = 0; s < kBlock; s += W::kSub)
       for (int64_t j = 0; j < kPanel; j += kWidth) {
-        const Vec scale = W::scale(block, s, j), offset = W::offset(block, s, j);
+        const Vec scale = W::scale(header, block, s, j), offset = W::offset(header, block, s, j);
         for (int64_t k = s; k < s + W::kSub; ++k) store(out + (k0 + k) * kPanel + j, W::weight(block, k, j, scale, offset));
       }
+  }
+}
+
+// Row j of a panel of blocks decoded to fp32 out[0..K), with the bits decode_panel gives it.
+template <typename W>
+void decode_row(const W* panel, int64_t j, float* out, int64_t K) {
+  const int64_t c = j / kWidth * kWidth;  // the vector of columns that holds row j
+  alignas(64) float lanes[kWidth];
+  const uint8_t *block = reinterpret_cast<const uint8_t*>(panel), *header = block;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, block += W::kBytes) {
+    if (k0 % (kBlock * W::kGroup) == 0) {
+      header = block;
+      block += W::kHeader;
+    }
+    for (int64_t s = 0; s < kBlock; s += W::kSub) {
+      const Vec scale = W::scale(header, block, s, c), offset = W::offset(header, block, s, c);
+      for (int64_t k = s; k < s + W::kSub; ++k) {
+        store(lanes, W::weight(block, k, c, scale, offset));
+        out[k0 + k] = lanes[j - c];
+      }
+    }
   }
 }
 
@@ -584,35 +688,62 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
       run_int<false>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
     return out;
   }
-  TORCH_CHECK(blocks ? K % kBlock == 0 && packed.size(1) == K / kBlock &&
-                           (packed.size(2) == Codes8::kBytes || packed.size(2) == Codes4::kBytes ||
-                            packed.size(2) == Codes4F::kBytes || packed.size(2) == Codes8H::kBytes)
-                     : packed.size(1) == K && packed.size(2) == kPanel,
-              "weights: [N/32, K, 32] (fp32, bf16) or [N/32, K/32, 1536, 1280, 768 or 640] (blocks) for this K");
+  // A layout of blocks is told by its bytes per group of blocks (one block, or a super-block).
+  auto run_blocks = [&](auto format) {
+    using W = decltype(format);
+    if (!blocks || packed.size(2) != W::kHeader + W::kGroup * W::kBytes) return false;
+    TORCH_CHECK(K % (kBlock * W::kGroup) == 0 && packed.size(1) == K / (kBlock * W::kGroup),
+                "weights: [N/32, K/", kBlock * W::kGroup, ", ", packed.size(2), "] blocks for this K");
+    if (M > 0)
+      run(xc.data_ptr<float>(), reinterpret_cast<const W*>(packed.data_ptr<uint8_t>()), panel_size, b,
+          out.data_ptr<float>(), M, N, K);
+    return true;
+  };
+  if (run_blocks(Codes8{}) || run_blocks(Codes8H{}) || run_blocks(Codes4F{}) || run_blocks(Codes4{}) ||
+      run_blocks(Q4K{}) || run_blocks(Q5K{}) || run_blocks(Q6K{}))
+    return out;
+  TORCH_CHECK(!blocks, "weights: blocks of [N/32, K/32, 1536, 1280, 768 or 640] or [N/32, K/256, 6784, 6720 or 4736] bytes");
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel, "weights: [N/32, K, 32] (fp32, bf16) for this K");
   if (M == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
     run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (packed.scalar_type() == torch::kBFloat16)
     run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
-  else if (blocks && packed.size(2) == Codes8::kBytes)
-    run(xc.data_ptr<float>(), reinterpret_cast<const Codes8*>(packed.data_ptr<uint8_t>()), panel_size, b,
-        out.data_ptr<float>(), M, N, K);
-  else if (blocks && packed.size(2) == Codes8H::kBytes)
-    run(xc.data_ptr<float>(), reinterpret_cast<const Codes8H*>(packed.data_ptr<uint8_t>()), panel_size, b,
-        out.data_ptr<float>(), M, N, K);
-  else if (blocks && packed.size(2) == Codes4F::kBytes)
-    run(xc.data_ptr<float>(), reinterpret_cast<const Codes4F*>(packed.data_ptr<uint8_t>()), panel_size, b,
-        out.data_ptr<float>(), M, N, K);
-  else if (blocks)
-    run(xc.data_ptr<float>(), reinterpret_cast<const Codes4*>(packed.data_ptr<uint8_t>()), panel_size, b,
-        out.data_ptr<float>(), M, N, K);
   else
     TORCH_CHECK(false, "weights: fp32, bf16 or blocks (uint8)");
   return out;
 }
 
+// A tied embedding's lookup, from the output layer's blocks: one copy of the matrix serves both.
+torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t K) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
+              "weights: blocks, contiguous");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids: [n] int64");
+  const auto idc = ids.contiguous();
+  const int64_t n = idc.numel(), rows = packed.size(0) * kPanel, panel_size = packed.size(1) * packed.size(2);
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " is out of range");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  auto decode = [&](auto format) {
+    using W = decltype(format);
+    if (packed.size(2) != W::kHeader + W::kGroup * W::kBytes) return false;
+    TORCH_CHECK(K % (kBlock * W::kGroup) == 0 && packed.size(1) == K / (kBlock * W::kGroup), "blocks for another K");
+    const auto* w = reinterpret_cast<const W*>(packed.data_ptr<uint8_t>());
+    at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i)
+        decode_row(w + id[i] / kPanel * panel_size, id[i] % kPanel, out.data_ptr<float>() + i * K, K);
+    });
+    return true;
+  };
+  TORCH_CHECK(decode(Codes8{}) || decode(Codes8H{}) || decode(Codes4F{}) || decode(Codes4{}) || decode(Q4K{}) ||
+                  decode(Q5K{}) || decode(Q6K{}),
+              "weights: not a layout of blocks");
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others");
+  m.def("packed_rows", &packed_rows, "rows of a packed weight of blocks, as fp32");
   // For fused.cpp's decode_layers, which calls it without going through Python.
   m.attr("packed_linear_fn") = py::capsule(reinterpret_cast<void*>(&packed_linear), "kvfence.packed_linear");
 }
