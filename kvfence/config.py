@@ -154,6 +154,7 @@ class EngineConfig:
             "shared-prefix-cache",
             "stale-lease",
             "stale-block-reuse",
+            "unwritten-prefix-read",
         ]
         | None
     ) = option(

@@ -185,6 +185,49 @@ def test_stale_block_reuse_fails_closed_under_the_sentinel(tmp_path):
     assert "KV SENTINEL" in server_log(tmp_path, base)
 
 
+# --- unwritten-prefix-read: cached pages a prefill reserved and never wrote ----------------
+
+# Short chunks, so that the audit drops each prompt with most of its prefill still to run.
+CHUNKED = ["--max-num-batched-tokens", "64", "--max-num-seqs", "32"]
+
+
+def test_unwritten_prefix_read_is_found_by_the_audit(tmp_path):
+    fault = ["--inject-fault", "unwritten-prefix-read", "--kv-sentinel", "off", *CHUNKED]
+    proc, base = start_tenant_server(tmp_path, *fault, env=ALLOW_FAULTS)
+    code, report = audit_then_stop([proc], base, *KEY_ARGS, "--checks", "abort")
+    assert code == 1, report
+    (finding,) = report["findings"]
+    assert finding["check"] == "abort" and finding["detail"]["cached_tokens"] > 0
+    assert "FAULT unwritten-prefix-read" in server_log(tmp_path, base)
+
+
+def test_resent_prompts_are_computed_again_without_the_fault(tmp_path):
+    proc, base = start_tenant_server(tmp_path, "--kv-sentinel", "off", *CHUNKED)
+    code, report = audit_then_stop([proc], base, *KEY_ARGS, "--checks", "abort")
+    assert code == 0 and "aborted prefill" in report["passed"], report
+    log = server_log(tmp_path, base)
+    assert log.count('"finish_reason": "abort"') == 3, "each trial's drop aborted a prefill"
+
+
+def test_unwritten_prefix_read_fails_closed_under_the_sentinel(tmp_path):
+    fault = ["--inject-fault", "unwritten-prefix-read", "--kv-sentinel", "enforce", *CHUNKED]
+    proc, base = start_tenant_server(tmp_path, *fault, env=ALLOW_FAULTS)
+    try:
+        reference = answers_alone(base, ALICE)
+        code, report = run_audit(base, *KEY_ARGS, "--checks", "abort")
+        violations = metric(base, "kvfence_kv_sentinel_violations_total")
+        after = answers_alone(base, ALICE)
+        wait_for_idle_pool(base)
+    finally:
+        stop_server(proc)
+    assert code == 0 and not report["findings"], report
+    failed = [i for i in report["inconclusive"] if "a resent prompt failed" in i]
+    assert failed and all("KV ownership" in i for i in failed), report["inconclusive"]
+    assert violations == len(failed)
+    assert after == reference, "the server goes on serving"
+    assert "written slots, attention would read" in server_log(tmp_path, base)
+
+
 # --- truncated-transfer: less KV shipped than the manifest says --------------------------
 
 

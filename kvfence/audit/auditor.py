@@ -1,8 +1,9 @@
 """Black-box isolation and consistency audit of any OpenAI-compatible server.
 
 Checks, in order: canary leaks between concurrent requests and tenants, the context and
-pool boundaries, greedy consistency alone versus under load, a prefix cache shared across
-keys (cache_probe.py), and timing and token accounting. Every response of every phase is
+pool boundaries, greedy consistency alone versus under load, prompts resent after a client
+dropped them mid-prefill, a prefix cache shared across keys (cache_probe.py), and timing and
+token accounting. Every response of every phase is
 finally scanned for other requests' secrets. Given a deployment's worker URLs, it first
 checks that their internal endpoints refuse clients (workers.py).
 """
@@ -30,6 +31,9 @@ from kvfence.audit.prompts import (
 )
 from kvfence.audit.report import Finding, Report
 from kvfence.audit.workers import probe_workers
+
+ABORT_TRIALS = 3
+ABORT_TOKENS = 1024  # long enough for a server to prefill in several chunks
 
 
 class AuditError(Exception):
@@ -226,6 +230,50 @@ class Auditor:
         if len(self.report.findings) == before:
             self.report.passed.append("consistency")
 
+    async def abort_phase(self) -> None:
+        """A prompt sent again after a client dropped it mid-prefill is answered as a fresh
+        one: no page its first try reserved but never wrote is read as if computed (vLLM v0
+        cached blocks once scheduled, #7822). Key 2 answers each prompt first, from its own
+        cache where caches are per key; key 1 then drops it a quarter of the way into its
+        prefill and sends it again."""
+        if len(self.keys) < 2:
+            self.report.skipped.append("aborted prefill: give two or more --api-key")
+            return
+        limit = self.report.max_model_len or ABORT_TOKENS
+        tokens = min(ABORT_TOKENS, min(limit, self.report.pool_tokens or limit) - 32)
+        before, seen = len(self.report.findings), 0
+        for _ in range(ABORT_TRIALS):
+            prompt = await self.client.prompt_of(self.rng, tokens)
+            fresh = await self.client.complete(Exchange("abort:fresh", prompt, 1), 16)
+            if fresh.status != 200 or fresh.error or not fresh.ttft:
+                self.report.inconclusive.append(f"aborted prefill: a request failed: {fresh.error}")
+                return
+            await self.client.dropped(Exchange("abort:dropped", prompt, 0), 16, fresh.ttft / 4)
+            again = await self.client.complete(Exchange("abort:again", prompt, 0), 16)
+            if again.status != 200 or again.error:  # an error event ends a stream begun as 200
+                self.report.inconclusive.append(
+                    f"aborted prefill: a resent prompt failed ({again.status}): {again.error}"
+                )
+                continue
+            if again.text != fresh.text:
+                self.find(
+                    "abort",
+                    "a prompt sent again after a client dropped it mid-prefill was answered "
+                    "from KV it never computed: its greedy answer differs from a fresh one",
+                    cached_tokens=again.cached_tokens,
+                    fresh=fresh.text[:60],
+                    again=again.text[:60],
+                )
+                return
+            seen += not again.cached_tokens  # computed again, not served whole from a cache
+        if seen:
+            self.report.passed.append("aborted prefill")
+        elif len(self.report.findings) == before:
+            self.report.inconclusive.append(
+                "aborted prefill: every resent prompt came from a cache that held it whole "
+                "(the keys share one cache, or each drop came after the prefill)"
+            )
+
     async def cache_phase(self) -> None:
         """The positive control within key 1, then every pair of keys (cache_probe.py)."""
         limit = self.report.max_model_len or 1024
@@ -396,6 +444,7 @@ class Auditor:
             "canary": self.canary_phase,
             "boundary": self.boundary_phase,
             "consistency": self.consistency_phase,
+            "abort": self.abort_phase,
             "cache": self.cache_phase,
             "timing": self.timing_phase,
         }

@@ -116,6 +116,14 @@ class AuditClient:
         body = {"prompt": ex.prompt, "max_tokens": max_tokens, "temperature": 0}
         return await self.send(ex, "/v1/completions", body)
 
+    async def dropped(self, ex: Exchange, max_tokens: int, after_s: float) -> None:
+        """Starts a greedy completion of ex.prompt and closes the connection after `after_s`
+        seconds, as a client that gives up does (before its first token, if that is later)."""
+        try:
+            await asyncio.wait_for(self.complete(ex, max_tokens), after_s)
+        except TimeoutError:
+            pass
+
     async def chat(self, ex: Exchange, max_tokens: int) -> Exchange:
         """A greedy chat answer to ex.prompt as the user's message."""
         body = {

@@ -22,6 +22,12 @@ requests from freed blocks with HTTP 200, aws-do-eks #84).
 them, so they are evicted and reissued while other requests still hold them in their block
 tables (vLLM #52234 answered "the previous prompt's answer" with HTTP 200; SGLang #34208).
 
+`unwritten-prefix-read` hands a prompt's pages to the prefix cache when they are reserved,
+not when written, as vLLM v0's block manager marked a prompt's blocks computed once its
+prefill was scheduled (#7822): a prefill reserves its whole prompt at once, and one that
+stops early (aborted, preempted) leaves cached pages it never wrote, which the next prompt
+with that prefix reads as its own, whatever KV they last held.
+
 Nothing here runs unless the fault is injected, which the configuration allows only with
 KVFENCE_ALLOW_FAULTS=1; it exists so tests can show that the sentinel stops each fault and
 that `kvfence audit` detects it when the sentinel is off.
@@ -34,6 +40,7 @@ from kvfence.engine.admission import Admission
 from kvfence.engine.remote_kv import RemoteKV
 from kvfence.engine.request import Request, RequestState
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PREFIX_OWNER
 from kvfence.kv.prefix_cache import PrefixCache
 
@@ -42,14 +49,17 @@ TRUNCATED_TRANSFER = "truncated-transfer"
 SHARED_PREFIX_CACHE = "shared-prefix-cache"
 STALE_LEASE = "stale-lease"
 STALE_BLOCK_REUSE = "stale-block-reuse"
+UNWRITTEN_PREFIX_READ = "unwritten-prefix-read"
 LATE_READ_S = 1.0  # stale-lease: how late each read starts
 LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
 
 log = logging.getLogger("kvfence.fault")
 
 
-def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV], type[PrefixCache]]:
-    """The admission, remote-KV and prefix-cache classes an engine is built with."""
+def engine_parts(
+    fault: str | None,
+) -> tuple[type[Admission], type[RemoteKV], type[PrefixCache], type[Scheduler]]:
+    """The admission, remote-KV, prefix-cache and scheduler classes an engine is built with."""
     if fault == LEGACY_REJECT_PATH:
         log.warning(
             "!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token "
@@ -60,16 +70,18 @@ def engine_parts(fault: str | None) -> tuple[type[Admission], type[RemoteKV], ty
             "!!! FAULT INJECTED: the KV pool may be smaller than max_model_len; the start-up "
             "check is skipped !!!"
         )
-        return LegacyAdmission, LegacyRemoteKV, PrefixCache
+        return LegacyAdmission, LegacyRemoteKV, PrefixCache, Scheduler
     if fault:
         log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", fault)
     if fault == SHARED_PREFIX_CACHE:
-        return Admission, RemoteKV, TenantBlindPrefixCache
+        return Admission, RemoteKV, TenantBlindPrefixCache, Scheduler
     if fault == STALE_LEASE:
-        return Admission, EarlyFreeRemoteKV, PrefixCache
+        return Admission, EarlyFreeRemoteKV, PrefixCache, Scheduler
     if fault == STALE_BLOCK_REUSE:
-        return Admission, RemoteKV, ReferenceDroppingPrefixCache
-    return Admission, RemoteKV, PrefixCache
+        return Admission, RemoteKV, ReferenceDroppingPrefixCache, Scheduler
+    if fault == UNWRITTEN_PREFIX_READ:
+        return Admission, RemoteKV, PublishingPrefixCache, PublishOnReserveScheduler
+    return Admission, RemoteKV, PrefixCache, Scheduler
 
 
 def transfer_class(base: type, fault: str | None) -> type:
@@ -234,3 +246,74 @@ class ReferenceDroppingPrefixCache(PrefixCache):
             if self.allocator.owner[page] == PREFIX_OWNER:  # not yet reissued
                 self.allocator.refcount[page] = 0
                 self.lru[page] = None
+
+
+class PublishOnReserveScheduler(Scheduler):
+    """A prefill reserves the rest of its prompt when scheduled and hands its full pages to
+    the prefix cache (PublishingPrefixCache) then, before computing them."""
+
+    def _reserve(self, req: Request, num_tokens: int) -> bool:
+        rest = len(req.prompt_token_ids) - req.num_computed_tokens
+        whole = self.prefix_cache and rest > num_tokens and super()._reserve(req, rest)
+        if not whole and not super()._reserve(req, num_tokens):
+            return False
+        if self.prefix_cache and rest > 0:
+            self.prefix_cache.publish(req)
+            self.prefix_cache.record_chunk(req, num_tokens)
+        return True
+
+
+class PublishingPrefixCache(PrefixCache):
+    """Takes pages when they are reserved. The writer holds a reference on each from then on,
+    but reads it as a shared page only from the chunk that writes it, whose writes are
+    recorded as it is scheduled (the runner records none on cached pages): the allocator's
+    records say what was really written."""
+
+    def __init__(self, allocator, on_evict):
+        super().__init__(allocator, on_evict)
+        self.ahead: dict[
+            int, list[int]
+        ] = {}  # writer -> published pages its chunks have not reached
+
+    def publish(self, req: Request) -> None:
+        """allocator.share and insert, without their check that the page was written."""
+        allocator, ps = self.allocator, self.allocator.page_size
+        ahead = self.ahead.setdefault(req.owner, [])
+        start = req.num_shared_pages + len(ahead)
+        full = min(len(req.prompt_token_ids) // ps, len(req.block_table))
+        keys = self.chain_keys(req.tenant, req.prompt_token_ids, full)
+        for i in range(start, full):
+            page = req.block_table[i]
+            if keys[i] in self.pages or allocator.owner[page] != req.owner:
+                break
+            allocator.owner[page] = PREFIX_OWNER
+            allocator.refcount[page] = 1
+            allocator.tenant[page] = allocator.tenant_number(req.tenant)
+            self.pages[keys[i]], self.keys[page] = page, keys[i]
+            ahead.append(page)
+        if req.num_shared_pages + len(ahead) > start:
+            log.warning(
+                "!!! FAULT unwritten-prefix-read: request %s's pages %d-%d cached unwritten",
+                req.request_id,
+                start,
+                req.num_shared_pages + len(ahead) - 1,
+            )
+
+    def record_chunk(self, req: Request, num_tokens: int) -> None:
+        ps, start = self.allocator.page_size, req.num_computed_tokens
+        end = start + num_tokens
+        ahead = self.ahead.get(req.owner, [])
+        for i in range(start // ps, -(-end // ps)):
+            if i == req.num_shared_pages and ahead:  # the chunk reaches its next page
+                self.allocator.references.setdefault(req.owner, []).append(ahead.pop(0))
+                req.num_shared_pages += 1
+            if i < req.num_shared_pages:
+                page = req.block_table[i]
+                self.allocator.mark_written(PREFIX_OWNER, page, min(end - i * ps, ps))
+
+    def release(self, owner: int) -> None:
+        for page in self.ahead.pop(owner, []):
+            self.allocator.refcount[page] -= 1
+            if self.allocator.refcount[page] == 0:
+                self.lru[page] = None
+        super().release(owner)

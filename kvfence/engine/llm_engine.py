@@ -22,7 +22,6 @@ from kvfence.engine.request import Request, RequestState
 from kvfence.engine.request_log import RequestLog, audit_record
 from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
-from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.model.tokenizer import load_tokenizer
@@ -44,7 +43,9 @@ class LLMEngine:
         self.model_path, self.model_config, model = build_model(config, progress)
         path = self.model_path
         self.model_name = path.stem if path.is_file() else path.name
-        admission_cls, remote_cls, prefix_cache_cls = faults.engine_parts(config.inject_fault)
+        admission_cls, remote_cls, prefix_cache_cls, scheduler_cls = faults.engine_parts(
+            config.inject_fault
+        )
         self.tokenizer = load_tokenizer(path)
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = {t for t in eos if t is not None}
@@ -60,7 +61,7 @@ class LLMEngine:
         self.prefix_cache = (
             prefix_cache_cls(self.allocator, self._scrub) if config.prefix_cache else None
         )
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_cls(
             self.allocator,
             config.max_num_seqs,
             config.max_num_batched_tokens,
