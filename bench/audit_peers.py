@@ -129,20 +129,33 @@ def audit(target: str, args, tmp: Path) -> dict:
         "inconclusive": report["inconclusive"],
         "info": report["info"],
         "passed": report["passed"],
+        "skipped": report["skipped"],
         "cache": report["cache"],
         "requests": report["requests"],
     }
 
 
+def abort_verdict(r: dict) -> str:
+    """What the audit's abort check said: found, passed, inconclusive (why) or skipped."""
+    if any(f.startswith("[abort]") for f in r["findings"]):
+        return "found"
+    if "aborted prefill" in r["passed"]:
+        return "passed"
+    why = [i for i in r["inconclusive"] + r["skipped"] if i.startswith("aborted prefill")]
+    return why[0].removeprefix("aborted prefill: ") if why else "not run"
+
+
 def table(results: list[dict]) -> str:
     rows = [
         "| target | exit | verdict | findings | cache: key -> key, verdict, hit / miss median ms,"
-        " p (alpha) | audit s |",
-        "|---|---|---|---|---|---|",
+        " p (alpha) | abort | audit s |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            rows.append(f"| {r['target']} | {r['exit']} | could not run | {r['error'][:80]} | | |")
+            rows.append(
+                f"| {r['target']} | {r['exit']} | could not run | {r['error'][:80]} | | | |"
+            )
             continue
         cache = "; ".join(
             f"{t['victim_key']}->{t['attacker_key']} {t['verdict']}, {t['hit_median_ms']} / "
@@ -152,7 +165,7 @@ def table(results: list[dict]) -> str:
         checks = ", ".join(sorted({f.split("]")[0][1:] for f in r["findings"]})) or "none"
         rows.append(
             f"| {r['target']} | {r['exit']} | {r['verdict']} | {checks} | {cache} | "
-            f"{r['audit_s']} |"
+            f"{abort_verdict(r)} | {r['audit_s']} |"
         )
     return "\n".join(rows)
 

@@ -53,6 +53,7 @@ def test_report_exit_codes_and_junit():
     failure = suite.find("testcase/failure")
     assert suite.get("failures") == "1" and failure.get("type") == "cross-key-cache"
     assert "p_value: 1e-05" in failure.text
+    assert "leak class: shared-prefix-cache" in failure.text
 
 
 def test_no_visible_cache_is_inconclusive_never_clean(tmp_path):

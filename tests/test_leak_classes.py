@@ -198,6 +198,7 @@ def test_unwritten_prefix_read_is_found_by_the_audit(tmp_path):
     assert code == 1, report
     (finding,) = report["findings"]
     assert finding["check"] == "abort" and finding["detail"]["cached_tokens"] > 0
+    assert finding["leak_class"].startswith("unwritten-prefix-read")
     assert "FAULT unwritten-prefix-read" in server_log(tmp_path, base)
 
 
@@ -221,7 +222,7 @@ def test_unwritten_prefix_read_fails_closed_under_the_sentinel(tmp_path):
     finally:
         stop_server(proc)
     assert code == 0 and not report["findings"], report
-    failed = [i for i in report["inconclusive"] if "a resent prompt failed" in i]
+    failed = [i for i in report["inconclusive"] if "aborted prefill: a request failed" in i]
     assert failed and all("KV ownership" in i for i in failed), report["inconclusive"]
     assert violations == len(failed)
     assert after == reference, "the server goes on serving"

@@ -5,12 +5,27 @@ for CI pipelines. Exit codes: 0 clean, 1 findings (or, under --strict, inconclus
 import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 
+# The known leak classes (README, "Checking a deployment") each check's finding is evidence of.
+LEAK_CLASSES = {
+    "boundary": "legacy-reject-path: prompts cut to placeholders (the 2026 incident)",
+    "timing": "legacy-reject-path: prompts cut to placeholders (the 2026 incident)",
+    "canary": "truncated-transfer, where the errors are KV transfers that failed",
+    "leak": "stale or shared KV: stale-lease, stale-block-reuse, shared-prefix-cache",
+    "consistency": "freed pages still read: stale-block-reuse, stale-lease",
+    "abort": "unwritten-prefix-read: cached pages read before they were written",
+    "cross-key-cache": "shared-prefix-cache: one prefix cache for every tenant",
+}
+
 
 @dataclass
 class Finding:
     check: str
     message: str
     detail: dict = field(default_factory=dict)
+    leak_class: str = field(init=False)
+
+    def __post_init__(self):
+        self.leak_class = LEAK_CLASSES.get(self.check, "")
 
 
 @dataclass
@@ -56,6 +71,8 @@ def format_report(report: Report) -> str:
     lines += [f"  SKIP  {name}" for name in report.skipped]
     for f in report.findings:
         lines.append(f"  FAIL  [{f.check}] {f.message}")
+        if f.leak_class:
+            lines.append(f"          leak class: {f.leak_class}")
         for k, v in f.detail.items():
             lines.append(
                 f"          {k}: {str(v)[:160]!r}" if isinstance(v, str) else f"          {k}: {v}"
@@ -88,7 +105,8 @@ def junit_xml(report: Report) -> str:
     for f in report.findings:
         case = ET.SubElement(suite, "testcase", classname="audit", name=f.check)
         failure = ET.SubElement(case, "failure", message=f.message, type=f.check)
-        failure.text = "\n".join(f"{k}: {v}" for k, v in f.detail.items())
+        detail = {"leak class": f.leak_class, **f.detail} if f.leak_class else f.detail
+        failure.text = "\n".join(f"{k}: {v}" for k, v in detail.items())
     counts = {
         "tests": len(suite),
         "failures": len(report.findings),
