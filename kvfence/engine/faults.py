@@ -252,6 +252,11 @@ class PublishOnReserveScheduler(Scheduler):
     """A prefill reserves the rest of its prompt when scheduled and hands its full pages to
     the prefix cache (PublishingPrefixCache) then, before computing them."""
 
+    def schedule(self) -> list[tuple[Request, int]]:
+        if self.prefix_cache:
+            self.prefix_cache.record_last_step()
+        return super().schedule()
+
     def _reserve(self, req: Request, num_tokens: int) -> bool:
         rest = len(req.prompt_token_ids) - req.num_computed_tokens
         whole = self.prefix_cache and rest > num_tokens and super()._reserve(req, rest)
@@ -259,21 +264,25 @@ class PublishOnReserveScheduler(Scheduler):
             return False
         if self.prefix_cache and rest > 0:
             self.prefix_cache.publish(req)
-            self.prefix_cache.record_chunk(req, num_tokens)
+            self.prefix_cache.take_chunk(req, num_tokens)
         return True
 
 
 class PublishingPrefixCache(PrefixCache):
     """Takes pages when they are reserved. The writer holds a reference on each from then on,
-    but reads it as a shared page only from the chunk that writes it, whose writes are
-    recorded as it is scheduled (the runner records none on cached pages): the allocator's
-    records say what was really written."""
+    but reads it as a shared page only from the chunk that writes it. The runner records no
+    writes to cached pages, so the writes of each step's chunks are recorded here at the
+    start of the next step, except a failed request's: the allocator's records say only what
+    was written. (A request reading such a page in the step that writes it is refused by
+    the sentinel, though the KV would be there: a fault may fail closed.)"""
 
     def __init__(self, allocator, on_evict):
         super().__init__(allocator, on_evict)
         self.ahead: dict[
             int, list[int]
         ] = {}  # writer -> published pages its chunks have not reached
+        # Writes to cached pages scheduled last step: (request, page, its generation, slots).
+        self.chunks: list[tuple[Request, int, int, int]] = []
 
     def publish(self, req: Request) -> None:
         """allocator.share and insert, without their check that the page was written."""
@@ -299,17 +308,27 @@ class PublishingPrefixCache(PrefixCache):
                 req.num_shared_pages + len(ahead) - 1,
             )
 
-    def record_chunk(self, req: Request, num_tokens: int) -> None:
+    def take_chunk(self, req: Request, num_tokens: int) -> None:
+        """The chunk reads the published pages it reaches as shared ones from now on."""
         ps, start = self.allocator.page_size, req.num_computed_tokens
         end = start + num_tokens
         ahead = self.ahead.get(req.owner, [])
         for i in range(start // ps, -(-end // ps)):
-            if i == req.num_shared_pages and ahead:  # the chunk reaches its next page
+            if i == req.num_shared_pages and ahead:
                 self.allocator.references.setdefault(req.owner, []).append(ahead.pop(0))
                 req.num_shared_pages += 1
             if i < req.num_shared_pages:
                 page = req.block_table[i]
-                self.allocator.mark_written(PREFIX_OWNER, page, min(end - i * ps, ps))
+                generation = int(self.allocator.generation[page])
+                self.chunks.append((req, page, generation, min(end - i * ps, ps)))
+
+    def record_last_step(self) -> None:
+        """Records the writes of last step's chunks to cached pages still in that lifetime."""
+        allocator = self.allocator
+        for req, page, generation, upto in self.chunks:
+            if req.state != RequestState.FAILED and allocator.generation[page] == generation:
+                allocator.mark_written(PREFIX_OWNER, page, upto)
+        self.chunks.clear()
 
     def release(self, owner: int) -> None:
         for page in self.ahead.pop(owner, []):
