@@ -278,9 +278,8 @@ class PublishingPrefixCache(PrefixCache):
 
     def __init__(self, allocator, on_evict):
         super().__init__(allocator, on_evict)
-        self.ahead: dict[
-            int, list[int]
-        ] = {}  # writer -> published pages its chunks have not reached
+        # Published pages each writer's chunks have not reached yet.
+        self.ahead: dict[int, list[int]] = {}
         # Writes to cached pages scheduled last step: (request, page, its generation, slots).
         self.chunks: list[tuple[Request, int, int, int]] = []
 
