@@ -3,9 +3,9 @@
 Checks, in order: canary leaks between concurrent requests and tenants, the context and
 pool boundaries, greedy consistency alone versus under load, prompts resent after a client
 dropped them mid-prefill, a prefix cache shared across keys (cache_probe.py), and timing and
-token accounting. Every response of every phase is
-finally scanned for other requests' secrets. Given a deployment's worker URLs, it first
-checks that their internal endpoints refuse clients (workers.py).
+token accounting. Every response of every phase is finally scanned for other requests'
+secrets. Given a deployment's worker URLs, it first checks that their internal endpoints
+refuse clients (workers.py).
 """
 
 import asyncio
