@@ -5,8 +5,9 @@
 One weight of Llama-3.2-1B's MLP shape (8192 x 2048 by default) in each type: quantized by
 gguf-py where it can, else (K-quants) random blocks with a small fp16 scale, which run the
 same instructions. For 1 and 64 rows of activations, medians over rounds that take each
-type in turn: GFLOP/s, the packed weight's bytes per weight and GB/s streamed, the ratio to
-the fp32 kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
+type in turn, exact (--dtype gguf) and, where it runs, with 8-bit activations (gguf-int8):
+GFLOP/s, the packed weight's bytes per weight and GB/s streamed, the ratio to the fp32
+kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
 """
 
 import argparse
@@ -22,8 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from kvfence.model.kernels import linear_kernel
-from kvfence.model.linear import pack
-from kvfence.model.loader import BLOCK_BYTES, gguf_blocks
+from kvfence.model.linear import pack, pack_for_int8
+from kvfence.model.loader import BLOCK_BYTES, INT8_BLOCK_TYPES, gguf_blocks
 
 
 def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -55,6 +56,8 @@ def main() -> None:
     for kind in BLOCK_BYTES:
         raw = blocks_of(kind, n, k, rng)
         weights[kind] = pack(gguf_blocks(raw, kind))
+        if kind in INT8_BLOCK_TYPES:  # --dtype gguf-int8's layout and arithmetic
+            weights[f"{kind} int8"] = pack_for_int8(gguf_blocks(raw, kind))
         if kind == "Q4_0":  # fp32 on the same values, for the ratio
             weights["F32"] = pack(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0)))
     xs = {m: torch.randn(m, k) for m in rows}

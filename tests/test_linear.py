@@ -226,7 +226,10 @@ def int8_rounded(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (top / 127).double()).view_as(x)
 
 
-@pytest.mark.parametrize("kind, block_bytes", [("Q4_0", 640), ("Q4_1", 640), ("Q8_0", 1088)])
+@pytest.mark.parametrize(
+    "kind, block_bytes",
+    [("Q4_0", 640), ("Q4_1", 640), ("Q5_0", 768), ("Q5_1", 768), ("Q8_0", 1088)],
+)
 def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes):
     """--dtype gguf-int8: rows rounded to 8 bits per block of 32, integer dot products, then
     the scales. Equal to that arithmetic in float64 up to fp32 rounding, not to the fp32
@@ -257,7 +260,7 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     """The bits of the 8-bit-activation kernel, whatever its instructions (AVX2's vpmaddubsw
     or AVX-512 VNNI's vpdpbusd) and tile: codes a = round(x * (127 / max|x|)), d = max|x| / 127
@@ -306,8 +309,14 @@ def test_int8_activations_need_gguf_blocks(kernel):
     overflowing, _ = gguf_weights("Q4_0", 64, 96, 5e4, seed=6)  # -8 x scale is over fp16's range
     with pytest.raises(ValueError, match="fp16 scales"):
         pack_for_int8(overflowing)
-    with pytest.raises(ValueError, match="one scale per 32 weights"):
-        pack_for_int8(gguf_weights("Q6_K", 64, 256, 0.1, seed=6)[0])
+    k_quant, q8_0 = (
+        gguf_weights("Q6_K", 64, 256, 0.1, seed=6)[0],
+        gguf_weights("Q8_0", 64, 256, 0.1, seed=6)[0],
+    )
+    with pytest.raises(ValueError, match="all in K-quants or none"):
+        pack_for_int8([k_quant, q8_0])  # rounded per 256 k and per 32: no one row of codes
+    with pytest.raises(ValueError, match="8-bit activations only"):
+        Linear([k_quant, k_quant], None, torch.float32, torch.device("cpu"), kernel)
     layer = Linear(
         gguf_weights("Q4_1", 64, 96, 0.1, seed=7)[0],
         None,
@@ -317,3 +326,101 @@ def test_int8_activations_need_gguf_blocks(kernel):
         int8_activations=True,
     )
     assert layer.packed.dtype == torch.int8 and layer.weight is None
+
+
+def q8_k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as llama.cpp's quantize_row_q8_K rounds it per 256 k: codes
+    round(x * (-127 / x_max)) (ties to even, at most 127), x_max the entry of largest
+    magnitude, and the scale d = 1 / (-127 / x_max), all in fp32. -> codes [M, K/256, 256]
+    (float), d [M, K/256]."""
+    blocks = x.view(x.shape[0], -1, 256)
+    top = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True))
+    # torch.full_like(...) / top: a number over a tensor would multiply by its reciprocal
+    iscale = torch.where(top != 0, torch.full_like(top, -127) / top, torch.zeros_like(top))
+    codes = torch.round(blocks * iscale).clamp(max=127)
+    return codes, torch.where(top != 0, torch.ones_like(top) / iscale, torch.zeros_like(top))[
+        ..., 0
+    ]
+
+
+def k_quant_parts(kinds: list[str], rows: list[int], k: int, seed: int):
+    """Random K-quant matrices of each kind, and their fp32 weights stacked."""
+    parts = [
+        gguf_weights(kind, n, k, 0.1, seed=seed + i) for i, (kind, n) in enumerate(zip(kinds, rows))
+    ]
+    return [blocks for blocks, _ in parts], torch.cat([w for _, w in parts])
+
+
+K_MATRICES = [["Q4_K"], ["Q5_K"], ["Q6_K"], ["Q4_K", "Q6_K", "Q5_K"]]
+
+
+@pytest.mark.parametrize("kinds", K_MATRICES, ids="+".join)
+def test_int8_activations_on_k_quants_compute_llama_cpp_arithmetic(kernel, kinds):
+    """--dtype gguf-int8 on Q4_K, Q5_K and Q6_K (and a fused matrix mixing them, as a Q4_K_M
+    file's Q/K/V does): rows rounded as llama.cpp's Q8_K, per 256 k, then integer dot
+    products. Equal to that arithmetic in float64 up to fp32 rounding, and each row gives the
+    same bits in any batch."""
+    rows = [64, 32, 45][: len(kinds)] if len(kinds) > 1 else [70]
+    n = sum(rows)
+    blocks, w = k_quant_parts(kinds, rows, 512, seed=10)
+    packed = pack_for_int8(blocks if len(blocks) > 1 else blocks[0])
+    assert packed.dtype == torch.int8 and packed.dim() == 1
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(40, 512, generator=gen)
+    x[3] = 0  # a zero block rounds to codes 0 with scale 0
+    x[5, :256] *= 1e3  # an outlier block rounds only its own 256 coarsely
+    out = kernel(x, packed, n, bias)
+    codes, d = q8_k(x)
+    rounded = (codes.double() * d.double()[..., None]).view_as(x)
+    reference = rounded @ w.double().T + bias.double()
+    torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    assert torch.equal(out[3], bias)
+    exact = torch.cat([kernel(x, pack(b), b.shape[0], None) for b in blocks], dim=1) + bias
+    assert 1e-3 < (out - exact).abs().max() < 0.1 * exact.abs().max()
+    for m in (1, 2, 3, 4, 5, 7, 12):
+        assert torch.equal(kernel(x[:m], packed, n, bias), out[:m])
+        assert torch.equal(kernel(x[m : m + 1], packed, n, bias), out[m : m + 1])
+    with pytest.raises(RuntimeError, match="K-quant"):  # packed for another K
+        kernel(torch.randn(2, 256), packed, n, None)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_int8_activations_on_k_quants_give_the_same_bits_on_every_cpu(kernel, kind):
+    """The bits of the K-quant kernel, whatever its instructions: per super-block, in k
+    order, acc = fma(sumi, d_w * d_x, acc) with sumi = sum_j sc_j (q . a)_j (Q6_K: per 16 k,
+    (q . a - 32 sum(a)) times its int8 scale), then for Q4_K/Q5_K acc = fma(sum_j m_j sum(a)_j,
+    dmin_w * -d_x, acc); then + bias. The integer sums are exact."""
+    from kvfence.model.linear import super_block_fields
+
+    blocks, _ = k_quant_parts([kind], [70], 512, seed=12)
+    gen = torch.Generator().manual_seed(13)
+    x, bias = torch.randn(9, 512, generator=gen), torch.randn(70, generator=gen)
+    a, dx = q8_k(x)  # [9, 2, 256], [9, 2]
+    raw = blocks[0].numpy().reshape(-1, blocks[0].shape[2])
+    dw, dmin, scales, mins, q = (
+        None if t is None else torch.from_numpy(t.copy()) for t in super_block_fields(raw, kind)
+    )
+    dw = dw.view(torch.float16).float().view(70, 2)
+    q = q.view(70, 2, -1, 16 if kind == "Q6_K" else 32).double()
+    a = a.view(9, 2, -1, q.shape[-1]).double()
+    products = torch.einsum("nsjk,msjk->mnsj", q, a)  # exact integers
+    if kind == "Q6_K":
+        scales = scales.view(torch.int8).view(70, 2, 16).double()
+        products = products - 32 * a.sum(-1)[:, None]
+    else:
+        scales = torch.from_numpy(scales.numpy().astype("float64")).view(70, 2, 8)
+    sumi = (products * scales[None]).sum(-1).float()  # [m, n, super-block]
+    acc = torch.zeros(9, 70)
+    for sb in range(2):
+        acc = fma(sumi[:, :, sb], dw[None, :, sb] * dx[:, sb, None], acc)
+        if dmin is not None:
+            m = torch.from_numpy(mins.numpy().astype("float64")).view(70, 2, 8)
+            sums = a[:, sb].sum(-1)  # [m, 8]
+            summ = (m[None, :, sb] * sums[:, None]).sum(-1).float()
+            dm = dmin.view(torch.float16).float().view(70, 2)
+            acc = fma(summ, dm[None, :, sb] * -dx[:, sb, None], acc)
+    expected = acc + bias
+    packed = pack_for_int8(blocks[0])
+    for m in (1, 2, 5, 9):
+        assert torch.equal(kernel(x[:m], packed, 70, bias), expected[:m])

@@ -159,5 +159,17 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
     assert [o.outputs[0].logprobs for o in blocks.generate(prompts, params)] == [
         o.outputs[0].logprobs for o in fp32.generate(prompts, params)
     ]
-    with pytest.raises(ModelLoadError, match=r"gguf-int8 runs on Q4_0, Q4_1, Q8_0 blocks; \S+ is"):
-        LLM(str(path), dtype="gguf-int8", **small)
+    if dequantized:  # F16 and BF16 have no 8-bit arithmetic in llama.cpp to run them with
+        with pytest.raises(ModelLoadError, match=r"gguf-int8 runs on Q4_0, .*, Q6_K blocks; \S+ is"):
+            LLM(str(path), dtype="gguf-int8", **small)
+        return
+    # Every K-quant, a fused Q/K/V of Q4_K and Q6_K rows among them: one table of both types
+    int8 = LLM(str(path), dtype="gguf-int8", **small)
+    qkv = int8.engine.runner.model.layers[0].qkv.packed
+    assert qkv.dtype == torch.int8 and qkv.dim() == 1
+    ours, exact = (
+        [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params)] for llm in (int8, fp32)
+    )
+    for a, b in zip(ours, exact):
+        assert b["token_id"] in [t for t, _ in a["top"]]
+        assert 0 < abs(a["logprob"] - b["logprob"]) < 0.05

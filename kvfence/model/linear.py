@@ -95,6 +95,56 @@ def _in_chunks(blocks: torch.Tensor, packed: Callable) -> torch.Tensor:
     return out
 
 
+def super_block_fields(raw: np.ndarray, kind: str) -> tuple:
+    """K-quant blocks (uint8 [R, bytes]) -> d and, but for Q6_K, dmin (fp16 bytes [R, 2]);
+    the scales (Q4_K/Q5_K: [R, 8], one per 32 k; Q6_K: int8 bytes [R, 16], one per 16) and
+    mins (Q6_K: None); the codes [R, 256] (0-63), as gguf unpacks them."""
+    from gguf.quants import Q4_K
+
+    if kind == "Q6_K":
+        return raw[:, 208:210], None, raw[:, 192:208], None, q6_k_codes(raw)
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])
+    codes = k_quant_nibbles(raw[:, -128:]).reshape(-1, 256)
+    if kind == "Q5_K":
+        qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes |= (qh & 1).reshape(-1, 256) << 4
+    return raw[:, 0:2], raw[:, 2:4], sc, m, codes
+
+
+def _panel_fields(blocks: torch.Tensor) -> tuple:
+    """K-quant rows (uint8 [N, K/256, bytes]) in panels of 32 rows (zero padded): the type, the
+    panels' count p and super-blocks n, then super_block_fields' arrays per panel, rows last:
+    d and dmin [p, n, 2 bytes, 32], scales [p, n, 8, 32] (Q6_K: [p, n, 8, 2, 32]), mins
+    [p, n, 8, 32] and codes [p, n, 8 sub-blocks, 32 k, 32]."""
+    kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
+    raw = F.pad(blocks, (0, 0, 0, 0, 0, -blocks.shape[0] % PANEL)).numpy()
+    p, n = raw.shape[0] // PANEL, raw.shape[1]
+
+    def per_panel(t: np.ndarray | None, *inner: int) -> np.ndarray | None:
+        return None if t is None else np.moveaxis(t.reshape(p, PANEL, n, *inner), 1, -1)
+
+    d, dmin, scales, mins, codes = super_block_fields(raw.reshape(-1, raw.shape[2]), kind)
+    halves = (2,) if kind == "Q6_K" else ()
+    return (
+        kind,
+        p,
+        n,
+        per_panel(d, 2),
+        per_panel(dmin, 2),
+        per_panel(scales, 8, *halves),
+        per_panel(mins, 8),
+        per_panel(codes, 8, 32),
+    )
+
+
+def _fp16_rows(*fields: np.ndarray | None) -> np.ndarray:
+    """Per-panel fp16 fields [p, n, 2 bytes, 32 rows] -> [p, n, 64 bytes each]: each row's fp16
+    in order."""
+    return np.concatenate(
+        [np.swapaxes(f, 2, 3).reshape(*f.shape[:2], -1) for f in fields if f is not None], axis=2
+    )
+
+
 def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K, Q5_K or Q6_K rows (uint8 [N, K/256, bytes], the file's blocks) -> csrc/linear.cpp's
     super-block layout, [ceil(N/32), K/256, bytes]: per panel and 256 k, the 32 rows' d (fp16)
@@ -102,33 +152,9 @@ def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
     and mins (6 bits in a byte), the codes' low nibbles as the 4-bit layout, and 8 bytes a k
     of their high bits, byte l holding rows l, l + 8, l + 16 and l + 24's from bit 0 up.
     Q4_K: 4,736 bytes, 0.58 a weight; Q5_K 6,784, 0.83; Q6_K 6,720, 0.82."""
-    from gguf.quants import Q4_K
-
-    kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
-    raw = F.pad(blocks, (0, 0, 0, 0, 0, -blocks.shape[0] % PANEL)).numpy()
-    p, n = raw.shape[0] // PANEL, raw.shape[1]
-    raw = raw.reshape(-1, raw.shape[2])
-
-    def per_panel(t: np.ndarray, *inner: int) -> np.ndarray:
-        """Per-block values [rows x blocks, *inner] -> [P, K/256, *inner, 32 rows]."""
-        t = t.reshape(p, PANEL, n, *inner)
-        return np.moveaxis(t, 1, -1)
-
-    if kind == "Q6_K":
-        header = [per_panel(raw[:, 208:210], 2)]  # d
-        scales = per_panel(raw[:, 192:208], 8, 2)  # [P, S, block, half, row], int8
-        codes = q6_k_codes(raw)
-    else:
-        header = [per_panel(raw[:, 0:2], 2), per_panel(raw[:, 2:4], 2)]  # d, dmin
-        sc, m = Q4_K.get_scale_min(raw[:, 4:16])
-        scales = np.stack([per_panel(sc, 8), per_panel(m, 8)], axis=3)  # [P, S, block, 2, row]
-        codes = k_quant_nibbles(raw[:, -128:]).reshape(-1, 256)
-        if kind == "Q5_K":
-            qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            codes |= (qh & 1).reshape(-1, 256) << 4
-    # header bytes [P, S, 2, 32 rows] -> [P, S, 32 rows, 2]: each row's fp16 in order
-    header = np.concatenate([np.swapaxes(h, 2, 3).reshape(p, n, -1) for h in header], axis=2)
-    codes = per_panel(codes, 8, 32)  # [P, S, block, k, row]
+    kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
+    if mins is not None:
+        scales = np.stack([scales, mins], axis=3)  # [p, n, block, 2, row]
     low = codes & 15
     parts = [
         scales.reshape(p, n, 8, -1),
@@ -140,15 +166,85 @@ def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
         shifts = (high_bits * np.arange(4, dtype=np.uint8)).reshape(4, 1)
         parts.append(np.bitwise_or.reduce(high << shifts, axis=4).reshape(p, n, 8, -1))
     blocks_out = np.concatenate(parts, axis=3).reshape(p, n, -1)
-    return torch.from_numpy(np.concatenate([header, blocks_out], axis=2))
+    return torch.from_numpy(np.concatenate([_fp16_rows(d, dmin), blocks_out], axis=2))
 
 
-def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
+K_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their number in the table: also their high bit planes
+K_INT8_BYTES = {"Q4_K": 4992, "Q5_K": 6016, "Q6_K": 6720}  # a panel's bytes per 256 k
+
+
+def _k_int8_panels(blocks: torch.Tensor) -> np.ndarray:
+    """K-quant rows (uint8 [N, K/256, bytes]) -> csrc/linear.cpp's panels for
+    8-bit activations, uint8 [ceil(N/32), K/256 * K_INT8_BYTES]: per 256 k the rows' d (fp16)
+    and, but for Q6_K, dmin and the mins as int16 pairs of sub-blocks (int32 [4, 32 rows]);
+    then per 32 k the scales (Q6_K: [2 halves, 32 rows]), the codes' low nibbles in the 4-bit
+    int8 layout of pack_for_int8, and each high bit of the codes in planes: per 8 k (h), low
+    then high nibble, 128 bits, bit 32g + 4j + t that of byte 32g + 4j + t."""
+    kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
+    header = [_fp16_rows(d, dmin)]
+    if mins is not None:
+        m = mins.astype(np.int32)
+        pairs = np.ascontiguousarray(m[:, :, 0::2] | m[:, :, 1::2] << 16)
+        header.append(pairs.view(np.uint8).reshape(p, n, -1))
+    # codes [p, n, sub, k = 8h + 4 half + t, row = 8g + j] -> [p, n, sub, h, half, g, j, t]
+    codes = codes.reshape(p, n, 8, 4, 2, 4, 4, 8).transpose(0, 1, 2, 3, 4, 6, 7, 5)
+    low = codes & 15
+    bits = K_INT8_TYPES.index(kind)
+    planes = [(codes >> (4 + b) & 1).reshape(p, n, 8, 4, 2, 1, 128) for b in range(bits)]
+    sub_blocks = [
+        scales.reshape(p, n, 8, -1),
+        (low[:, :, :, :, 0] | low[:, :, :, :, 1] << 4).reshape(p, n, 8, -1),
+    ]
+    if planes:
+        packed = np.packbits(np.concatenate(planes, axis=5), axis=6, bitorder="little")
+        sub_blocks.append(packed.reshape(p, n, 8, -1))
+    body = np.concatenate(sub_blocks, axis=3).reshape(p, n, -1)
+    return np.concatenate([*header, body], axis=2).reshape(p, -1)
+
+
+def pack_k_for_int8(parts: list[torch.Tensor]) -> torch.Tensor:
+    """K-quant matrices (uint8 [N_i, K/256, bytes], of any of K_INT8_TYPES), one below the
+    other, -> csrc/linear.cpp's table of panels for 8-bit activations, int8 [bytes]: int64
+    [1 + 4 P] (P, then per panel its byte offset, type, first output and outputs), then the
+    panels of _k_int8_panels, each at a multiple of 64 bytes."""
+    entries = []  # per panel: type, outputs, bytes
+    for part in parts:
+        kind = SUPER_BLOCK_TYPES[part.shape[2]]
+        size = -(-K_INT8_BYTES[kind] * part.shape[1] // 64) * 64
+        entries += [
+            (K_INT8_TYPES.index(kind), min(PANEL, part.shape[0] - row), size)
+            for row in range(0, part.shape[0], PANEL)
+        ]
+    at = -(-8 * (1 + 4 * len(entries)) // 64) * 64
+    table, offsets, first = [len(entries)], [], 0
+    for kind, outputs, size in entries:
+        table += [at, kind, first, outputs]
+        offsets.append(at)
+        at += size
+        first += outputs
+    blob = np.zeros(at, dtype=np.uint8)
+    blob[: 8 * len(table)] = np.array(table, dtype=np.int64).view(np.uint8)
+    panels = (
+        data for part in parts for chunk in _panel_chunks(part) for data in _k_int8_panels(chunk)
+    )
+    for offset, data in zip(offsets, panels):
+        blob[offset : offset + len(data)] = data
+    return torch.from_numpy(blob).view(torch.int8)
+
+
+def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """Blocks (uint8 [N, K/16 * 24]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
     activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
-    offsets, [ceil(N/32), K/32, 640]; or Q8_0's signed codes with fp16 scales,
+    offsets, [ceil(N/32), K/32, 640]; 5-bit ones (Q5_0, Q5_1), the same and a plane of their
+    fifth bits, [ceil(N/32), K/32, 768]; or Q8_0's signed codes with fp16 scales,
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
-    vpmaddubsw multiplies them in."""
+    vpmaddubsw multiplies them in. K-quants (a list of their parts where a fused matrix mixes
+    types) go to pack_k_for_int8."""
+    if isinstance(blocks, list) or blocks.dim() == 3:
+        parts = blocks if isinstance(blocks, list) else [blocks]
+        if any(part.dim() != 3 for part in parts):
+            raise ValueError("8-bit activations need the parts of a matrix all in K-quants or none")
+        return pack_k_for_int8(parts)
     codes, scales = block_panels(sub_blocks(blocks))
     if not torch.equal(scales[..., 0, :], scales[..., 1, :]):
         raise ValueError("8-bit activations need blocks with one scale per 32 weights")
@@ -163,17 +259,16 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
     def fp16(t):
         return torch.equal(t.half().float(), t)
 
-    if codes.max() < 16 and fp16(scales):
+    if codes.max() < 32 and fp16(scales):
         # [P, K/32, h, g, j, t, high]
         nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
-        packed = torch.cat(
-            [
-                half(scale),
-                half(offset),
-                (nibbles[..., 0] | nibbles[..., 1] << 4).flatten(2),
-            ],
-            dim=2,
-        )
+        low = nibbles & 15
+        parts = [half(scale), half(offset), (low[..., 0] | low[..., 1] << 4).flatten(2)]
+        if codes.max() >= 16:  # fifth bits, per step and nibble: [P, K/32, h, high, g, j, t]
+            fifth = (nibbles >> 4).permute(0, 1, 2, 6, 3, 4, 5).reshape(p, nb, 8, 128)
+            bits = np.packbits(fifth.numpy(), axis=-1, bitorder="little")
+            parts.append(torch.from_numpy(bits).flatten(2))
+        packed = torch.cat(parts, dim=2)
     elif torch.equal(offset, -128 * scale) and fp16(scale):
         # Q8_0: signed codes q = code - 128, no offset
         signed = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
@@ -185,7 +280,9 @@ def pack_for_int8(blocks: torch.Tensor) -> torch.Tensor:
             dim=2,
         )
     else:
-        raise ValueError("8-bit activations need Q4_0, Q4_1 or Q8_0 blocks with fp16 scales")
+        raise ValueError(
+            "8-bit activations need Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks with fp16 scales"
+        )
     return packed.contiguous().view(torch.int8)
 
 
@@ -211,23 +308,28 @@ class Linear:
     weights); where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), which is far faster on large
     batches, they keep its layout too and use the kernel for small batches only, and are then
     not batch invariant. int8_activations (GGUF blocks only): the kernel rounds x to 8 bits
-    per block of 32 and sums on integers, llama.cpp's arithmetic: faster, still batch
-    invariant, not the fp32 bits. Without the kernel (GPU, no compiler, neither AVX-512 nor
-    AVX2): torch's matmul."""
+    per block of 32 (K-quants: 256, llama.cpp's Q8_K) and sums on integers, llama.cpp's
+    arithmetic: faster, still batch invariant, not the fp32 bits. Without the kernel (GPU, no
+    compiler, neither AVX-512 nor AVX2): torch's matmul."""
 
     def __init__(
         self,
-        weight: torch.Tensor,
+        weight: torch.Tensor | list[torch.Tensor],
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         device: torch.device,
         kernel: Callable | None,
         int8_activations: bool = False,
     ):
-        self.out_features = weight.shape[0]
+        # A list: the parts of a fused matrix in K-quants of different types, which only 8-bit
+        # activations take apart (see loader._cat_rows).
+        parts = weight if isinstance(weight, list) else [weight]
+        self.out_features = sum(part.shape[0] for part in parts)
         self.dtype = dtype
         self.kernel = kernel
-        blocks = weight.dtype == torch.uint8
+        blocks = parts[0].dtype == torch.uint8
+        if len(parts) > 1 and not int8_activations:
+            raise ValueError("a matrix in parts runs with 8-bit activations only")
         if blocks and kernel is None:
             raise RuntimeError(
                 "GGUF blocks run only through the CPU linear kernel, which is unavailable here "
@@ -239,7 +341,7 @@ class Linear:
         self.packed = (
             None
             if kernel is None
-            else packer(weight.to(device) if blocks else weight.to(device, dtype))
+            else packer(parts if len(parts) > 1 else weight.to(device, None if blocks else dtype))
         )
 
         def unpacked():

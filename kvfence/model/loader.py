@@ -120,16 +120,18 @@ def _read_layers(
     desc: str,
     progress: bool,
     unpermute: bool = False,
+    keep_parts: bool = False,
 ) -> Iterator[LayerWeights]:
     """The layers, read and fused one at a time (the parts go as soon as they are fused).
-    unpermute: Q/K rows in llama.cpp's order for its RoPE, put back in HF order."""
+    unpermute: Q/K rows in llama.cpp's order for its RoPE, put back in HF order. keep_parts:
+    see _cat_rows."""
     for i in tqdm(range(config.num_layers), desc=desc, unit="layer", disable=not progress):
         p = f"{prefix}{i}."
         t = {p + n: read(p + n) for n in _layer_names(config, names)}
         if unpermute:
             for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
                 t[p + names[name]] = _unpermute_rope(t[p + names[name]], heads)
-        yield _fuse(config, t, p, names)
+        yield _fuse(config, t, p, names, keep_parts)
 
 
 def _fuse(
@@ -137,6 +139,7 @@ def _fuse(
     tensors: dict[str, torch.Tensor],
     prefix: str,
     names: dict[str, str],
+    keep_parts: bool = False,
 ) -> LayerWeights:
     t = {k: tensors[prefix + v] for k, v in names.items() if prefix + v in tensors}
     bias = None
@@ -144,20 +147,23 @@ def _fuse(
         bias = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
     return LayerWeights(
         attn_norm=t["attn_norm"],
-        qkv=_cat_rows([t["q"], t["k"], t["v"]]),
+        qkv=_cat_rows([t["q"], t["k"], t["v"]], keep_parts),
         qkv_bias=bias,
         o=t["o"].contiguous(),
         ffn_norm=t["ffn_norm"],
-        gate_up=_cat_rows([t["gate"], t["up"]]),
+        gate_up=_cat_rows([t["gate"], t["up"]], keep_parts),
         down=t["down"].contiguous(),
         q_norm=t.get("q_norm") if config.qk_norm else None,
         k_norm=t.get("k_norm") if config.qk_norm else None,
     )
 
 
-def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
-    """One matrix of the parts' rows; blocks of different types meet in sub-blocks."""
+def _cat_rows(parts: list[torch.Tensor], keep_parts: bool = False) -> torch.Tensor | list:
+    """One matrix of the parts' rows; blocks of different types meet in sub-blocks, or with
+    keep_parts stay a list of K-quant parts (8-bit activations pack each type apart)."""
     if len({p.shape[1:] for p in parts}) > 1:
+        if keep_parts and all(p.dim() == 3 for p in parts):
+            return [p.contiguous() for p in parts]
         parts = [sub_blocks(p) for p in parts]
     return torch.cat(parts).contiguous()
 
@@ -335,7 +341,8 @@ BLOCK_BYTES = {
 # Kept in their own super-blocks of 256 weights, as uint8 [N, K/256, bytes a block]: the
 # kernel decodes them there (linear.pack_super_blocks), at the file's bytes a weight.
 SUPER_BLOCK_TYPES = {BLOCK_BYTES[kind]: kind for kind in ("Q4_K", "Q5_K", "Q6_K")}
-INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")  # those 8-bit activations (gguf-int8) run on
+# Those 8-bit activations (gguf-int8) run on: rows rounded per 32 k, or per 256 for K-quants
+INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 SUB_BLOCK = 16  # weights per scale in gguf_blocks: Q6_K's, the finest of BLOCK_BYTES
 SUB_BLOCK_BYTES = 8 + SUB_BLOCK  # fp32 scale and offset, then a code a weight
 
@@ -541,11 +548,20 @@ def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8:
             )
         if kind in BLOCK_BYTES:
             kept.add(t.name)
+    by_name = {t.name: t.tensor_type.name for t in linear_tensors}
     for i in range(config.num_layers):
         for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
             names = {f"blk.{i}.{n}.weight" for n in group}
             if not names <= kept:
                 kept -= names
+            k_quants = {by_name[n] in SUPER_BLOCK_TYPES.values() for n in names}
+            if int8 and len(k_quants) > 1:
+                raise ModelLoadError(
+                    f"--dtype gguf-int8 fuses {', '.join(sorted(names))} into one matrix, and "
+                    f"rounds rows per 256 k for K-quants but per 32 for other types; these are "
+                    f"{', '.join(sorted({by_name[n] for n in names}))} in {path.name}: use "
+                    f"--dtype gguf"
+                )
     return kept
 
 
@@ -597,6 +613,7 @@ def _load_gguf(
             f"loading {path.name}",
             progress,
             unpermute=config.architecture == "llama",
+            keep_parts=int8,
         ),
         final_norm=fp32("output_norm.weight"),
         lm_head=embed if head == "token_embd.weight" else read(head),

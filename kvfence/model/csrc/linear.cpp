@@ -30,6 +30,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -404,12 +405,16 @@ void run(const float* x, const W* w, int64_t panel_size, const float* bias, floa
 //   4-bit: 32 scales, 32 offsets (fp16), then for each 8 k (h = 0..3) and each 8 columns
 //          (g = 0..3) 32 bytes, byte 4j + t holding column 8g + j's codes for k = 8h + t (low
 //          nibble) and k = 8h + 4 + t (high nibble): 640 bytes.
+//   5-bit (Q5_0, Q5_1): the 4-bit layout, then the codes' fifth bits: per 8 k, low then high
+//          nibble, 128 bits, bit b that of byte b of the step's codes: 768 bytes.
 //   8-bit: 32 scales (fp16), then for each 4 k (h = 0..7) and 8 columns, byte 4j + t holding
 //          column 8g + j's signed code for k = 4h + t (Q8_0: the offset is 0): 1088 bytes.
 // A vpmaddubsw multiplies 4 k of 8 columns by 4 broadcast codes of a row, summing pairs.
 
 constexpr int64_t kNibbleBlock = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 640
+constexpr int64_t kFiveBitBlock = kNibbleBlock + kBlock * kPanel / 8;    // 768
 constexpr int64_t kByteBlock = kPanel * 2 + kBlock * kPanel;             // 1088
+constexpr int64_t int_block_bytes(int bits) { return bits == 4 ? kNibbleBlock : bits == 5 ? kFiveBitBlock : kByteBlock; }
 
 // x [M, K] -> codes [M, K] and, per row and block, d and d * sum(codes).
 // With `unsigned_codes`, the codes are stored as a + 128 (uint8); sum(codes) stays sum(a).
@@ -523,18 +528,70 @@ inline IVec add_products(IVec sums, IVec u, IVec s) {
 inline IVec nibble_sums(IVec sums) { return pair_sums(sums); }
 #endif
 
+// For 5- and 6-bit codes: their high bits come in planes of bits, one a byte of codes.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// `value` in the bytes of vector v whose bit is set in `bits`.
+inline IVec plane_bytes(const uint8_t* bits, int v, int8_t value) {
+  uint64_t mask;
+  std::memcpy(&mask, bits + 8 * v, 8);
+  return _mm512_maskz_mov_epi8(_cvtu64_mask64(mask), bytes(value));
+}
+// Two steps of 4 products each, summed into 32-bit lanes.
+inline IVec add_products2(IVec sums, IVec u0, IVec s0, IVec u1, IVec s1) {
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sums, u0, s0), u1, s1);
+}
+inline IVec widen_scales(const uint8_t* p, bool is_signed) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+}
+inline IVec add32(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
+inline IVec sub32(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
+inline IVec mul32(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
+inline IVec pair_products(IVec a, IVec b) { return _mm512_madd_epi16(a, b); }
+inline IVec or_bytes(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+constexpr int kKRows = 4;
+#else
+inline IVec plane_bytes(const uint8_t* bits, int v, int8_t value) {
+  uint32_t mask;
+  std::memcpy(&mask, bits + 4 * v, 4);
+  // Byte b takes byte b / 8 of the mask, then tests its bit b % 8 (llama.cpp's bytes_from_bits_32).
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(mask)),
+      _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
+                                        _mm256_set1_epi64x(-1));
+  return _mm256_and_si256(set, bytes(value));
+}
+// 16-bit pair sums of at most 2 x 2 x 63 x 127, within int16.
+inline IVec add_products2(IVec sums, IVec u0, IVec s0, IVec u1, IVec s1) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(u0, s0), _mm256_maddubs_epi16(u1, s1));
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+inline IVec widen_scales(const uint8_t* p, bool is_signed) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+}
+inline IVec add32(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
+inline IVec sub32(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
+inline IVec mul32(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
+inline IVec pair_products(IVec a, IVec b) { return _mm256_madd_epi16(a, b); }
+inline IVec or_bytes(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+constexpr int kKRows = 2;  // the sums and accumulators of more rows spill from 16 registers
+#endif
+
 // Rows x[0..MR) times the vectors v0..v0+NV of one panel (kIntLanes columns each); writes the
 // columns below `cols` to out[0..MR).
-template <int MR, int NV, bool kNibbles>
+template <int MR, int NV, int kBits>
 void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float* bias, float* out, int64_t N,
               int64_t cols) {
+  constexpr bool kNibbles = kBits < 8;
   const int64_t blocks = x.K / kBlock;
   FVec acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * (kNibbles ? kNibbleBlock : kByteBlock);
-    prefetch_ahead(block, kNibbles ? kNibbleBlock : kByteBlock);
+    const uint8_t* block = panel + b * int_block_bytes(kBits);
+    prefetch_ahead(block, int_block_bytes(kBits));
     // Vector v's codes for step h: the 32-byte groups of its 8-column groups, side by side.
     const uint8_t* codes = block + (kNibbles ? 4 : 2) * kPanel + 32 * (kIntLanes / 8) * v0;
     auto codes_at = [&](int h, int v) { return load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * v); };
@@ -552,11 +609,17 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
           const IVec raw = codes_at(h, v);
           lo[v] = low_nibbles(raw);
           hi[v] = high_nibbles(raw);
+          if constexpr (kBits == 5) {  // fifth bits: 128 per nibble of a step, after the codes
+            const uint8_t* fifth = block + 4 * kPanel + kBlock * kPanel / 2 + 2 * h * 16;
+            lo[v] = or_bytes(lo[v], plane_bytes(fifth, v0 + v, 16));
+            hi[v] = or_bytes(hi[v], plane_bytes(fifth + 16, v0 + v, 16));
+          }
         }
         for (int i = 0; i < MR; ++i) {
           const IVec a0 = broadcast4(a + i * x.K + 8 * h), a1 = broadcast4(a + i * x.K + 8 * h + 4);
-          for (int v = 0; v < NV; ++v)
-            dot[i][v] = add_products(add_products(dot[i][v], lo[v], a0), hi[v], a1);
+          for (int v = 0; v < NV; ++v)  // 5-bit codes would overflow AVX2's 16-bit sums
+            dot[i][v] = kBits == 5 ? add_products2(dot[i][v], lo[v], a0, hi[v], a1)
+                                   : add_products(add_products(dot[i][v], lo[v], a0), hi[v], a1);
         }
       }
     } else if constexpr (kUnsignedRows) {
@@ -596,7 +659,7 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
       const FVec o = kNibbles ? fp16s(block + 2 * (kPanel + j)) : fzero();
       for (int i = 0; i < MR; ++i) {
         const int64_t row_block = i * blocks + b;
-        const IVec sums = kNibbles ? nibble_sums(dot[i][v]) : dot[i][v];
+        const IVec sums = kBits == 4 ? nibble_sums(dot[i][v]) : dot[i][v];
         acc[i][v] = ffma(to_float(sums), fmul(s, fset(x.scale[row_block])), acc[i][v]);
         if constexpr (kNibbles) acc[i][v] = ffma(o, fset(x.scaled_sum[row_block]), acc[i][v]);
       }
@@ -617,20 +680,20 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
 constexpr int kIntRows = 4;
 constexpr int kTileVecs = 2;
 
-template <bool kNibbles, int... MR>
+template <int kBits, int... MR>
 void int_panel(int rows, std::integer_sequence<int, MR...>, const QuantizedRows& x, const uint8_t* panel,
                const float* bias, float* out, int64_t N, int64_t cols) {
   using Fn = void (*)(const QuantizedRows&, const uint8_t*, int, const float*, float*, int64_t, int64_t);
-  static constexpr Fn table[] = {int_tile<MR + 1, kTileVecs, kNibbles>...};
+  static constexpr Fn table[] = {int_tile<MR + 1, kTileVecs, kBits>...};
   if (rows == 1) {  // the whole panel at once: independent sums to overlap
-    int_tile<1, kIntVecs, kNibbles>(x, panel, 0, bias, out, N, cols);
+    int_tile<1, kIntVecs, kBits>(x, panel, 0, bias, out, N, cols);
     return;
   }
   for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
     table[rows - 1](x, panel, v0, bias, out, N, cols);
 }
 
-template <bool kNibbles>
+template <int kBits>
 void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const float* bias, float* out, int64_t M,
              int64_t N) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
@@ -638,9 +701,199 @@ void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const
       const int64_t n = p * kPanel;
       for (int64_t m = 0; m < M; m += kIntRows) {
         const QuantizedRows rows{x.codes + m * x.K, x.scale + m * (x.K / kBlock), x.scaled_sum + m * (x.K / kBlock), x.K};
-        int_panel<kNibbles>(static_cast<int>(std::min<int64_t>(kIntRows, M - m)),
-                            std::make_integer_sequence<int, kIntRows>{}, rows, w + p * panel_size,
-                            bias ? bias + n : nullptr, out + m * N + n, N, std::min(kPanel, N - n));
+        int_panel<kBits>(static_cast<int>(std::min<int64_t>(kIntRows, M - m)), std::make_integer_sequence<int, kIntRows>{},
+                         rows, w + p * panel_size, bias ? bias + n : nullptr, out + m * N + n, N,
+                         std::min(kPanel, N - n));
+      }
+    }
+  });
+}
+
+// --- 8-bit activations on K-quant super-blocks (Q4_K, Q5_K, Q6_K): llama.cpp's Q8_K ---------
+//
+// llama.cpp multiplies the K-quants by rows rounded per 256 k (Q8_K): codes
+// round(-127 x / x_max), x_max the entry of largest magnitude, and the scale d = 1 / (-127 /
+// x_max). A super-block's dot product is then sums on integers: sum_j sc_j (q . a)_j over its
+// sub-blocks, times d_w d_x in float, less dmin_w d_x sum_j m_j sum(a)_j for the mins (Q6_K:
+// 32 sum(a) comes off each 16 k's sum, for its codes' offset of -32). This kernel makes the
+// same integers, and adds each super-block's two float terms to its output in order, so its
+// rows are batch invariant and the same bits on every CPU. The weights come as a table of
+// panels (model/linear.py, pack_k_for_int8), since the parts of a fused matrix may be of
+// different types: int64 [1 + 4 P] (P, then per panel its byte offset, type 0-2 = Q4_K, Q5_K,
+// Q6_K, first output and outputs), then each panel's K/256 super-blocks:
+//   header: the 32 rows' d (fp16); Q4_K/Q5_K then their dmin (fp16) and, for each two
+//           sub-blocks, the rows' mins as int16 pairs (int32 [4][32]).
+//   8 sub-blocks of 32 k: the rows' 6-bit scales (uint8 [32]; Q6_K: int8 [2][32], one per 16
+//           k), the codes' low 4 bits in the 4-bit layout above, then their high bits (Q5_K
+//           one plane, Q6_K two): per 8 k, low and high nibble and plane, 128 bits, bit b the
+//           code of byte b of those 128 bytes.
+
+constexpr int64_t kSuper = 256;  // k per super-block, and per activation scale
+
+template <int kKind>  // 0, 1, 2: Q4_K, Q5_K, Q6_K, also their count of high bit planes
+struct KLayout {
+  static constexpr bool kMins = kKind < 2;
+  static constexpr int64_t kHeader = kMins ? 2 * kPanel * 2 + 4 * kPanel * 4 : kPanel * 2;
+  static constexpr int64_t kScales = kMins ? kPanel : 2 * kPanel;
+  static constexpr int64_t kCodes = kBlock * kPanel / 2;
+  static constexpr int64_t kPlane = kBlock * kPanel / 64;  // bytes of bits: a nibble of 8 k
+  static constexpr int64_t kSubBytes = kScales + kCodes + 8 * kKind * kPlane;
+  static constexpr int64_t kBytes = kHeader + kSuper / kBlock * kSubBytes;
+};
+
+struct Q8KRows {
+  const int8_t* codes;    // [M, K]
+  const float* d;         // [M, K/256]
+  const int32_t* pairs;   // [M, K/256, 4]: two sub-blocks' sums of codes as int16 (low, high)
+  const int32_t* sums16;  // [M, K/16]: 32 x each 16 k's sum of codes
+  int64_t K;
+};
+
+// x [M, K] -> Q8_K rows, as llama.cpp's quantize_row_q8_K rounds them.
+void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, int32_t* pairs,
+                       int32_t* sums16) {
+  const int64_t supers = K / kSuper;
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t b = m0 * supers; b < m1 * supers; ++b) {
+      const float* v = x + b * kSuper;
+      int8_t* q = codes + b * kSuper;
+      float amax = 0.f, max = 0.f;
+      for (int64_t j = 0; j < kSuper; ++j) {
+        const float ax = std::fabs(v[j]);
+        if (ax > amax) {
+          amax = ax;
+          max = v[j];
+        }
+      }
+      int sum16[kSuper / 16] = {};
+      if (amax == 0.f) {
+        std::memset(q, 0, kSuper);
+        d[b] = 0.f;
+      } else {
+        const float iscale = -127.f / max;
+        for (int64_t j = 0; j < kSuper; ++j) {
+          q[j] = static_cast<int8_t>(std::min(127, static_cast<int>(std::nearbyint(iscale * v[j]))));
+          sum16[j / 16] += q[j];
+        }
+        d[b] = 1.f / iscale;
+      }
+      for (int g = 0; g < kSuper / 16; ++g) sums16[b * (kSuper / 16) + g] = 32 * sum16[g];
+      for (int p = 0; p < 4; ++p) {
+        const int lo = sum16[4 * p] + sum16[4 * p + 1], hi = sum16[4 * p + 2] + sum16[4 * p + 3];
+        pairs[b * 4 + p] = static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+      }
+    }
+  });
+}
+
+// Rows x[0..MR) times the vectors v0..v0+NV of one panel of type kKind; writes the columns
+// below `cols` to out[0..MR).
+template <int MR, int NV, int kKind>
+void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, float* out, int64_t N, int64_t cols) {
+  using L = KLayout<kKind>;
+  const int64_t supers = x.K / kSuper;
+  FVec acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
+  for (int64_t sb = 0; sb < supers; ++sb) {
+    const uint8_t* super = panel + sb * L::kBytes;
+    IVec sumi[MR][NV];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < NV; ++v) sumi[i][v] = izero();
+    for (int s = 0; s < kSuper / kBlock; ++s) {
+      const uint8_t* sub = super + L::kHeader + s * L::kSubBytes;
+      prefetch_ahead(sub, L::kSubBytes);
+      const uint8_t *codes = sub + L::kScales, *planes = codes + L::kCodes;
+      const int8_t* a = x.codes + sb * kSuper + s * kBlock;
+      // Q6_K's scales are per 16 k: two halves of 2 steps of 8 k; the others one of 4.
+      constexpr int kHalves = L::kMins ? 1 : 2, kSteps = 4 / kHalves;
+      for (int half = 0; half < kHalves; ++half) {
+        IVec dot[MR][NV];
+        for (int i = 0; i < MR; ++i)
+          for (int v = 0; v < NV; ++v) dot[i][v] = izero();
+#pragma GCC unroll 1
+        for (int h = half * kSteps; h < (half + 1) * kSteps; ++h) {
+          IVec lo[NV], hi[NV];
+          for (int v = 0; v < NV; ++v) {
+            const IVec raw = load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * (v0 + v));
+            lo[v] = low_nibbles(raw);
+            hi[v] = high_nibbles(raw);
+            for (int bit = 0; bit < kKind; ++bit) {
+              const uint8_t* lo_bits = planes + ((2 * h) * kKind + bit) * L::kPlane;
+              lo[v] = or_bytes(lo[v], plane_bytes(lo_bits, v0 + v, static_cast<int8_t>(16 << bit)));
+              hi[v] = or_bytes(hi[v], plane_bytes(lo_bits + kKind * L::kPlane, v0 + v, static_cast<int8_t>(16 << bit)));
+            }
+          }
+          for (int i = 0; i < MR; ++i) {
+            const IVec a0 = broadcast4(a + i * x.K + 8 * h), a1 = broadcast4(a + i * x.K + 8 * h + 4);
+            for (int v = 0; v < NV; ++v) dot[i][v] = add_products2(dot[i][v], lo[v], a0, hi[v], a1);
+          }
+        }
+        for (int v = 0; v < NV; ++v) {
+          const IVec sc = widen_scales(sub + half * kPanel + kIntLanes * (v0 + v), !L::kMins);
+          for (int i = 0; i < MR; ++i) {
+            IVec d = dot[i][v];
+            if constexpr (!L::kMins) d = sub32(d, words(x.sums16[i * (x.K / 16) + sb * (kSuper / 16) + 2 * s + half]));
+            sumi[i][v] = add32(sumi[i][v], mul32(d, sc));
+          }
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const int64_t j = kIntLanes * (v0 + v);
+      const FVec dw = fp16s(super + 2 * j);
+      for (int i = 0; i < MR; ++i) {
+        const float dx = x.d[i * supers + sb];
+        acc[i][v] = ffma(to_float(sumi[i][v]), fmul(dw, fset(dx)), acc[i][v]);
+        if constexpr (L::kMins) {
+          const int32_t* pairs = x.pairs + (i * supers + sb) * 4;
+          IVec summ = izero();
+          for (int p = 0; p < 4; ++p)
+            summ = add32(summ, pair_products(load_codes(super + 4 * kPanel + p * kPanel * 4 + 4 * j), words(pairs[p])));
+          acc[i][v] = ffma(to_float(summ), fmul(fp16s(super + 2 * (kPanel + j)), fset(-dx)), acc[i][v]);
+        }
+      }
+    }
+  }
+  for (int v = 0; v < NV; ++v) {
+    const int64_t j = kIntLanes * (v0 + v);
+    float lanes[MR][kIntLanes];
+    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
+    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
+      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
+  }
+}
+
+template <int kKind, int... MR>
+void k_panel(int rows, std::integer_sequence<int, MR...>, const Q8KRows& x, const uint8_t* panel, const float* bias,
+             float* out, int64_t N, int64_t cols) {
+  using Fn = void (*)(const Q8KRows&, const uint8_t*, int, const float*, float*, int64_t, int64_t);
+  static constexpr Fn table[] = {k_tile<MR + 1, kTileVecs, kKind>...};
+  if (rows == 1) {  // the whole panel at once: independent sums to overlap
+    k_tile<1, kIntVecs, kKind>(x, panel, 0, bias, out, N, cols);
+    return;
+  }
+  for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs) table[rows - 1](x, panel, v0, bias, out, N, cols);
+}
+
+void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* out, int64_t M, int64_t N) {
+  const auto* table = reinterpret_cast<const int64_t*>(blob);
+  at::parallel_for(0, table[0], 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
+      for (int64_t m = 0; m < M; m += kKRows) {
+        const int64_t supers = x.K / kSuper;
+        const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.pairs + m * supers * 4, x.sums16 + m * (x.K / 16), x.K};
+        const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
+        const auto seq = std::make_integer_sequence<int, kKRows>{};
+        const float* b = bias ? bias + e[2] : nullptr;
+        float* o = out + m * N + e[2];
+        if (e[1] == 0)
+          k_panel<0>(n, seq, rows, blob + e[0], b, o, N, e[3]);
+        else if (e[1] == 1)
+          k_panel<1>(n, seq, rows, blob + e[0], b, o, N, e[3]);
+        else
+          k_panel<2>(n, seq, rows, blob + e[0], b, o, N, e[3]);
       }
     }
   });
@@ -656,8 +909,6 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2, "x: [M, K] fp32");
   const int64_t M = x.size(0), K = x.size(1);
   const bool blocks = packed.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel,
-              "weights: one panel per 32 rows, contiguous");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == N, "bias: [N] fp32");
@@ -665,11 +916,41 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   }
   const auto xc = x.contiguous();
   auto out = torch::empty({M, N}, x.options());
+  if (packed.scalar_type() == torch::kInt8 && packed.dim() == 1 && packed.is_contiguous()) {  // 8-bit activations, K-quants
+    const auto* blob = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+    const auto* table = reinterpret_cast<const int64_t*>(blob);
+    TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && packed.numel() >= 8 * (1 + 4 * table[0]),
+                "weights: a table of K-quant panels (8-bit activations) for K a multiple of 256");
+    for (int64_t p = 0, n = 0; p < table[0]; n += table[4 + 4 * p], ++p) {
+      const int64_t *e = table + 1 + 4 * p, kind = e[1];
+      const int64_t bytes = kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+      // Each panel ends where the next begins (the last, at the end), at a multiple of 64 bytes.
+      const int64_t end = p + 1 < table[0] ? e[4] : packed.numel();
+      TORCH_CHECK(kind >= 0 && kind <= 2 && e[0] >= 8 * (1 + 4 * table[0]) && e[0] + (K / kSuper * bytes + 63) / 64 * 64 == end &&
+                      e[2] == n && e[3] > 0 && e[3] <= kPanel && (p + 1 < table[0] || n + e[3] == N),
+                  "weights: panel ", p, " of the K-quant table does not fit ", N, " outputs of K ", K);
+    }
+    if (M == 0) return out;
+    thread_local std::vector<int8_t> codes;
+    thread_local std::vector<float> scales;
+    thread_local std::vector<int32_t> sums;
+    const int64_t supers = K / kSuper;
+    codes.resize(M * K);
+    scales.resize(M * supers);
+    sums.resize(M * supers * 4 + M * (K / 16));
+    quantize_rows_q8k(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), sums.data(), sums.data() + M * supers * 4);
+    const Q8KRows rows{codes.data(), scales.data(), sums.data(), sums.data() + M * supers * 4, K};
+    run_k_int(rows, blob, b, out.data_ptr<float>(), M, N);
+    return out;
+  }
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel,
+              "weights: one panel per 32 rows, contiguous");
   const int64_t panel_size = packed.size(1) * packed.size(2);
   if (packed.scalar_type() == torch::kInt8) {  // 8-bit activations
+    const int64_t bytes = packed.size(2);
     TORCH_CHECK(K % kBlock == 0 && packed.size(1) == K / kBlock &&
-                    (packed.size(2) == kNibbleBlock || packed.size(2) == kByteBlock),
-                "weights: [N/32, K/32, 640 or 1088] (blocks for 8-bit activations) for this K");
+                    (bytes == kNibbleBlock || bytes == kFiveBitBlock || bytes == kByteBlock),
+                "weights: [N/32, K/32, 640, 768 or 1088] (blocks for 8-bit activations) for this K");
     if (M == 0) return out;
     // The caller's thread keeps these between calls: at one row a layer's call is so short
     // that allocating them at every call would be a large part of it.
@@ -678,14 +959,16 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     codes.resize(M * K);
     scales.resize(2 * M * (K / kBlock));
     float* scaled_sums = scales.data() + M * (K / kBlock);
-    const bool nibbles = packed.size(2) == kNibbleBlock;
-    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && !nibbles, codes.data(), scales.data(), scaled_sums);
+    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && bytes == kByteBlock, codes.data(), scales.data(),
+                  scaled_sums);
     const QuantizedRows rows{codes.data(), scales.data(), scaled_sums, K};
     const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
-    if (nibbles)
-      run_int<true>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+    if (bytes == kNibbleBlock)
+      run_int<4>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+    else if (bytes == kFiveBitBlock)
+      run_int<5>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
     else
-      run_int<false>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+      run_int<8>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
     return out;
   }
   // A layout of blocks is told by its bytes per group of blocks (one block, or a super-block).
