@@ -255,6 +255,22 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
         kernel(torch.randn(2, 64), packed, 70, None)
 
 
+def test_int8_activations_take_q8_0_beside_q4_0_and_q5_0(kernel):
+    """A fused Q/K/V of Q5_0, Q4_0 and Q8_0 rows (llama.cpp's Q4_K_M of a model whose rows are
+    not of 256) runs as one matrix of signed codes; so does a Q4_0 whose offset of -8 scales
+    is past fp16's range."""
+    parts = [gguf_weights(kind, 32, 96, 0.1, seed=20) for kind in ("Q5_0", "Q4_0", "Q8_0")]
+    parts.append(gguf_weights("Q4_0", 32, 96, 5e4, seed=21))
+    packed = pack_for_int8(_cat_rows([blocks for blocks, _ in parts]))
+    assert packed.shape == (4, 3, 1088)
+    w = torch.cat([w for _, w in parts])
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(22))
+    reference = int8_rounded(x) @ w.double().T
+    torch.testing.assert_close(
+        kernel(x, packed, 128, None).double(), reference, rtol=1e-5, atol=1e-3
+    )
+
+
 def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """fp32 a * b + c rounded once: the fp64 product of two fp32 values is exact."""
     return (a.double() * b.double() + c.double()).float()
@@ -306,9 +322,12 @@ def test_int8_activations_need_gguf_blocks(kernel):
             kernel,
             int8_activations=True,
         )
-    overflowing, _ = gguf_weights("Q4_0", 64, 96, 5e4, seed=6)  # -8 x scale is over fp16's range
-    with pytest.raises(ValueError, match="fp16 scales"):
-        pack_for_int8(overflowing)
+    offsets, q8_0 = (
+        gguf_weights("Q4_1", 32, 96, 0.1, seed=6)[0],
+        gguf_weights("Q8_0", 32, 96, 0.1, seed=6)[0],
+    )
+    with pytest.raises(ValueError, match=r"no 8-bit codes \(Q8_0\) in one matrix with offsets"):
+        pack_for_int8(_cat_rows([offsets, q8_0]))
     k_quant, q8_0 = (
         gguf_weights("Q6_K", 64, 256, 0.1, seed=6)[0],
         gguf_weights("Q8_0", 64, 256, 0.1, seed=6)[0],

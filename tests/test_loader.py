@@ -160,7 +160,9 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
         o.outputs[0].logprobs for o in fp32.generate(prompts, params)
     ]
     if dequantized:  # F16 and BF16 have no 8-bit arithmetic in llama.cpp to run them with
-        with pytest.raises(ModelLoadError, match=r"gguf-int8 runs on Q4_0, .*, Q6_K blocks; \S+ is"):
+        with pytest.raises(
+            ModelLoadError, match=r"gguf-int8 runs on Q4_0, .*, Q6_K blocks; \S+ is"
+        ):
             LLM(str(path), dtype="gguf-int8", **small)
         return
     # Every K-quant, a fused Q/K/V of Q4_K and Q6_K rows among them: one table of both types

@@ -293,6 +293,22 @@ def test_int8_activations_stay_near_float32_and_batch_invariant(real_llm):
     )
 
 
+def test_int8_activations_on_the_q4_k_m_file(q4_k_m_path):
+    """gguf-int8 on llama.cpp's Q4_K_M of the default model: the down projections in Q4_K and
+    Q6_K (rows rounded per 256 k), Q/K/V and the rest in Q5_0 and Q8_0 (per 32) all run on
+    8-bit activations; the answers stay near the exact ones of the same file and a request's
+    bits do not depend on its batch."""
+    small = dict(num_threads=2, max_model_len=1024, num_kv_pages=400)
+    llm = LLM(str(q4_k_m_path), dtype="gguf-int8", **small)
+    layers = llm.engine.runner.model.layers
+    assert {layers[i].down.packed.dim() for i in range(30)} == {1}  # tables of K-quant panels
+    assert all(layer.qkv.packed.dtype == torch.int8 for layer in layers)
+    exact = LLM(str(q4_k_m_path), **small)
+    assert_near_float32_and_batch_invariant(
+        llm, exact, min_same_first_token=20, max_logprob_move=0.3
+    )
+
+
 def assert_near_float32_and_batch_invariant(
     llm, real_llm, min_same_first_token: int, max_logprob_move: float
 ):

@@ -236,7 +236,8 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """Blocks (uint8 [N, K/16 * 24]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
     activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
     offsets, [ceil(N/32), K/32, 640]; 5-bit ones (Q5_0, Q5_1), the same and a plane of their
-    fifth bits, [ceil(N/32), K/32, 768]; or Q8_0's signed codes with fp16 scales,
+    fifth bits, [ceil(N/32), K/32, 768]; or signed codes with fp16 scales (Q8_0, with any
+    Q4_0 and Q5_0 beside it in a fused matrix),
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
     vpmaddubsw multiplies them in. K-quants (a list of their parts where a fused matrix mixes
     types) go to pack_k_for_int8."""
@@ -259,6 +260,10 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     def fp16(t):
         return torch.equal(t.half().float(), t)
 
+    # The code of each block's weight 0, where its type has one (Q8_0 128, Q5_0 16, Q4_0 8)
+    zero = torch.where(scale != 0, -offset / scale, 128).round().clamp(0, 128).to(torch.int16)
+    signed = codes.to(torch.int16) - zero.view(p, nb, 4, 8, 1)
+
     if codes.max() < 32 and fp16(scales):
         # [P, K/32, h, g, j, t, high]
         nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
@@ -269,19 +274,17 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
             bits = np.packbits(fifth.numpy(), axis=-1, bitorder="little")
             parts.append(torch.from_numpy(bits).flatten(2))
         packed = torch.cat(parts, dim=2)
-    elif torch.equal(offset, -128 * scale) and fp16(scale):
-        # Q8_0: signed codes q = code - 128, no offset
-        signed = (codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8)
+    elif torch.equal(offset, -zero * scale) and fp16(scale) and signed.max() < 128:
+        # Q8_0, and Q4_0 or Q5_0 beside it: signed codes q = code - zero, no offset
+        signed = signed.to(torch.int8).view(torch.uint8)
         packed = torch.cat(
-            [
-                half(scale),
-                signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2),
-            ],
+            [half(scale), signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2)],
             dim=2,
         )
     else:
         raise ValueError(
-            "8-bit activations need Q4_0, Q4_1, Q5_0, Q5_1 or Q8_0 blocks with fp16 scales"
+            "8-bit activations need blocks with fp16 scales, and no 8-bit codes (Q8_0) in one "
+            "matrix with offsets (Q4_1, Q5_1)"
         )
     return packed.contiguous().view(torch.int8)
 
