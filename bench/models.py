@@ -14,10 +14,11 @@ weights, SmolLM2's tokenizer padded to 128256 ids with reserved control tokens; 
 quantizes it to Q4_K_M. Throughput does not depend on the weights' values.
 
 Per file, each in a fresh process: load time and peak RSS (VmHWM) of kvfence (a 64-page
-pool) and of llama.cpp (llama-cpp-python, the file memory-mapped), against the file's size.
-Then bench/batched.py's scenario, 128 prompt and 128 new tokens a request: generation tok/s
-of a single stream, and output tok/s (prefill included) of 16 requests at once, both tools,
-rounds alternating; medians and the medians of the per-round ratios.
+pool) in each --dtypes mode (gguf: exact; gguf-int8: llama.cpp's arithmetic) and of
+llama.cpp (llama-cpp-python, the file memory-mapped), against the file's size. Then
+bench/batched.py's scenario, 128 prompt and 128 new tokens a request: generation tok/s of a
+single stream, and output tok/s (prefill included) of 16 requests at once, every engine,
+rounds alternating; medians and the medians of the per-round ratios to llama.cpp.
 """
 
 import argparse
@@ -64,7 +65,8 @@ KVFENCE_LOAD = """
 import json, sys, time
 from kvfence import LLM
 t = time.perf_counter()
-LLM(sys.argv[1], num_threads=int(sys.argv[2]), max_model_len=1024, num_kv_pages=64)
+path, threads, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+LLM(path, num_threads=threads, max_model_len=1024, num_kv_pages=64, dtype=dtype)
 rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
 print(json.dumps({"load_s": time.perf_counter() - t, "rss_mib": rss}))
 """
@@ -153,9 +155,12 @@ def quantize(llamacpp_python: str, source: Path, target: Path, threads: int) -> 
     )
 
 
-def load_figures(python: str, code: str, model: Path, threads: int) -> dict:
+def load_figures(python: str, code: str, model: Path, threads: int, *args: str) -> dict:
     done = subprocess.run(
-        [python, "-c", code, str(model), str(threads)], check=True, capture_output=True, text=True
+        [python, "-c", code, str(model), str(threads), *args],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -170,7 +175,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work-dir", type=Path, default=None, help="where the files go (a temp dir)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--dtypes", default="gguf,gguf-int8", help="kvfence --dtype modes, comma-separated"
+    )
     args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
     torch.set_num_threads(args.threads)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="kvfence-models-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -192,17 +201,35 @@ def main() -> None:
     report = {"machine": machine_line(), "files": {}}
     for label, path in files.items():
         loads = {
-            "kvfence": load_figures(sys.executable, KVFENCE_LOAD, path, args.threads),
-            "llama.cpp": load_figures(args.llamacpp_python, LLAMACPP_LOAD, path, args.threads),
+            f"kvfence {dtype}": load_figures(
+                sys.executable, KVFENCE_LOAD, path, args.threads, dtype
+            )
+            for dtype in dtypes
         }
-        llm = LLM(str(path), num_threads=args.threads, max_model_len=1024, kv_memory_gib=3.0)
-        kvfence_figures(llm, 2, 16, 2, seed=1)  # warm-up
+        loads["llama.cpp"] = load_figures(args.llamacpp_python, LLAMACPP_LOAD, path, args.threads)
+        llms = {
+            dtype: LLM(
+                str(path),
+                num_threads=args.threads,
+                max_model_len=1024,
+                kv_memory_gib=3.0,
+                dtype=dtype,
+            )
+            for dtype in dtypes
+        }
+        for llm in llms.values():
+            kvfence_figures(llm, 2, 16, 2, seed=1)  # warm-up
         rounds = []
         for r in range(args.rounds):
-            ours = {b: kvfence_figures(llm, b, 128, 128, seed=r) for b in (1, 16)}
-            theirs = run_llamacpp(args.llama_batched_bench, path, args.threads, [1, 16], 128, 128)
-            rounds.append({"kvfence": ours, "llama.cpp": theirs})
-        del llm
+            figures = {
+                f"kvfence {dtype}": {b: kvfence_figures(llm, b, 128, 128, seed=r) for b in (1, 16)}
+                for dtype, llm in llms.items()
+            }
+            figures["llama.cpp"] = run_llamacpp(
+                args.llama_batched_bench, path, args.threads, [1, 16], 128, 128
+            )
+            rounds.append(figures)
+        del llms
         report["files"][label] = {
             "path": str(path),
             "file_mib": path.stat().st_size / 2**20,
@@ -227,13 +254,13 @@ def print_file(label: str, result: dict) -> None:
         (1, "generation_tok_s", "single stream"),
         (16, "output_tok_s", "16 at once"),
     ):
-        ours = [r["kvfence"][b][figure] for r in rounds]
         theirs = [r["llama.cpp"][b][figure] for r in rounds]
-        ratio = statistics.median(x / y for x, y in zip(ours, theirs))
-        print(
-            f"  {name:13s} kvfence {statistics.median(ours):.1f} tok/s, "
-            f"llama.cpp {statistics.median(theirs):.1f} tok/s: {ratio:.2f}x"
-        )
+        line = f"  {name:13s} llama.cpp {statistics.median(theirs):.1f} tok/s"
+        for tool in [t for t in rounds[0] if t != "llama.cpp"]:
+            ours = [r[tool][b][figure] for r in rounds]
+            ratio = statistics.median(x / y for x, y in zip(ours, theirs))
+            line += f"; {tool} {statistics.median(ours):.1f} tok/s, {ratio:.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -443,3 +443,26 @@ def test_int8_activations_on_k_quants_give_the_same_bits_on_every_cpu(kernel, ki
     packed = pack_for_int8(blocks[0])
     for m in (1, 2, 5, 9):
         assert torch.equal(kernel(x[:m], packed, 70, bias), expected[:m])
+
+
+@pytest.mark.parametrize(
+    "kinds", [["Q4_0"], ["Q5_1"], ["Q8_0"], ["Q5_0", "Q8_0"], *K_MATRICES], ids="+".join
+)
+def test_rows_of_int8_layouts_are_the_dequantized_weights(kinds):
+    """A tied embedding under gguf-int8 is looked up in the output layer's 8-bit-activation
+    layout: each row decodes to the fp32 values gguf dequantizes to, bit for bit, in any of
+    its layouts (a table of K-quant panels of several types included)."""
+    rows = [64, 32, 45][: len(kinds)] if len(kinds) > 1 else [70]
+    k = 512 if kinds[0].endswith("_K") else 96
+    parts = [
+        gguf_weights(kind, n, k, 0.1, seed=30 + i) for i, (kind, n) in enumerate(zip(kinds, rows))
+    ]
+    blocks = [b for b, _ in parts]
+    packed = pack_for_int8(
+        blocks if kinds[0].endswith("_K") and len(blocks) > 1 else _cat_rows(blocks)
+    )
+    w = torch.cat([w for _, w in parts])
+    ids = torch.tensor([0, 1, 31, 32, 33, 63, 64, sum(rows) - 1, 5, 5])
+    assert torch.equal(packed_rows_kernel("cpu")(packed, ids, k), w[ids])
+    with pytest.raises(RuntimeError, match="out of range"):
+        packed_rows_kernel("cpu")(packed, torch.tensor([10_000]), k)

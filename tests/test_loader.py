@@ -148,7 +148,11 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
         blocks = LLM(str(path), **small)
     assert blocks.engine.config.dtype == "gguf"
     assert blocks.engine.runner.model.embed.dtype == torch.uint8  # rows decoded as looked up
-    (line,) = [r.getMessage() for r in caplog.records if "kept in blocks" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "kept in blocks" in r.getMessage()]
+    line = record.getMessage()
+    # a warning, with the cost, where a type it does not keep in blocks is dequantized
+    assert (record.levelno == logging.WARNING) == bool(dequantized)
+    assert ("x their bytes in the file" in line) == bool(dequantized)
     kept_part, _, dequantized_part = line.partition("dequantized to float32")
     assert all(f" {kind} (" in kept_part for kind in kept)
     assert all(f" {kind} (" in dequantized_part for kind in dequantized)
@@ -175,3 +179,43 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
     for a, b in zip(ours, exact):
         assert b["token_id"] in [t for t, _ in a["top"]]
         assert 0 < abs(a["logprob"] - b["logprob"]) < 0.05
+
+
+def test_a_model_that_would_not_fit_is_refused_before_it_is_read(tiny_model, monkeypatch):
+    """The weights' size once loaded (blocks kept, the rest as fp32) is checked against the
+    memory available before a tensor is read; over it, the error names the sizes."""
+    from kvfence.model import loader
+
+    monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
+    with pytest.raises(
+        ModelLoadError,
+        match=r"would take about [\d.]+ [KM]iB once loaded, [\d.]+ [KM]iB of it dequantized to "
+        r"float32 \(\d+ F32 .*more than the 1 KiB of memory available",
+    ):
+        LLM(str(tiny_model("llama", "gguf")))
+
+
+def test_bf16_safetensors_reach_the_model_without_a_float32_copy(tiny_llama_dir, tmp_path):
+    """A bf16 checkpoint's tensors leave the loader as stored, each converted once by the
+    layer that keeps it: --dtype bfloat16 holds them as they are, float32 widens them."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from kvfence.model.loader import load_model
+
+    bf16_dir = tmp_path / "bf16"
+    shutil.copytree(tiny_llama_dir, bf16_dir)
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).save_pretrained(
+        bf16_dir
+    )
+    _, weights = load_model(bf16_dir, progress=False)
+    layer = next(iter(weights.layers))
+    assert layer.qkv.dtype == layer.down.dtype == weights.embed.dtype == torch.bfloat16
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    bf16, fp32 = (
+        LLM(str(bf16_dir), dtype=dtype).generate(["hello there"], params)[0].outputs[0]
+        for dtype in ("bfloat16", "float32")
+    )
+    assert bf16.token_ids == fp32.token_ids
+    assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(bf16.logprobs, fp32.logprobs)) < 0.1

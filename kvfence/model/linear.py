@@ -170,22 +170,19 @@ def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
 
 
 K_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their number in the table: also their high bit planes
-K_INT8_BYTES = {"Q4_K": 4992, "Q5_K": 6016, "Q6_K": 6720}  # a panel's bytes per 256 k
+K_INT8_BYTES = {"Q4_K": 4736, "Q5_K": 5760, "Q6_K": 6720}  # a panel's bytes per 256 k
 
 
 def _k_int8_panels(blocks: torch.Tensor) -> np.ndarray:
     """K-quant rows (uint8 [N, K/256, bytes]) -> csrc/linear.cpp's panels for
     8-bit activations, uint8 [ceil(N/32), K/256 * K_INT8_BYTES]: per 256 k the rows' d (fp16)
-    and, but for Q6_K, dmin and the mins as int16 pairs of sub-blocks (int32 [4, 32 rows]);
-    then per 32 k the scales (Q6_K: [2 halves, 32 rows]), the codes' low nibbles in the 4-bit
-    int8 layout of pack_for_int8, and each high bit of the codes in planes: per 8 k (h), low
-    then high nibble, 128 bits, bit 32g + 4j + t that of byte 32g + 4j + t."""
+    and, but for Q6_K, dmin; then per 32 k the scales and mins (Q6_K: the scales of each half),
+    [2, 32 rows], the codes' low nibbles in the 4-bit int8 layout of pack_for_int8, and each
+    high bit of the codes in planes: per 8 k (h), low then high nibble, 128 bits, bit
+    32g + 4j + t that of byte 32g + 4j + t."""
     kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
-    header = [_fp16_rows(d, dmin)]
     if mins is not None:
-        m = mins.astype(np.int32)
-        pairs = np.ascontiguousarray(m[:, :, 0::2] | m[:, :, 1::2] << 16)
-        header.append(pairs.view(np.uint8).reshape(p, n, -1))
+        scales = np.stack([scales, mins], axis=3)  # [p, n, sub-block, 2, row]
     # codes [p, n, sub, k = 8h + 4 half + t, row = 8g + j] -> [p, n, sub, h, half, g, j, t]
     codes = codes.reshape(p, n, 8, 4, 2, 4, 4, 8).transpose(0, 1, 2, 3, 4, 6, 7, 5)
     low = codes & 15
@@ -199,7 +196,7 @@ def _k_int8_panels(blocks: torch.Tensor) -> np.ndarray:
         packed = np.packbits(np.concatenate(planes, axis=5), axis=6, bitorder="little")
         sub_blocks.append(packed.reshape(p, n, 8, -1))
     body = np.concatenate(sub_blocks, axis=3).reshape(p, n, -1)
-    return np.concatenate([*header, body], axis=2).reshape(p, -1)
+    return np.concatenate([_fp16_rows(d, dmin), body], axis=2).reshape(p, -1)
 
 
 def pack_k_for_int8(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -187,7 +187,7 @@ class LlamaModel:
             weights.lm_head is embed
             and packed_rows
             and packed is not None
-            and packed.dtype == torch.uint8
+            and packed.dtype in (torch.uint8, torch.int8)  # blocks, for fp32 or 8-bit activations
         ):
             return None, lambda ids: packed_rows(packed, ids, hidden)
         return embed, lambda ids: blocks_to_float(embed[ids])

@@ -487,28 +487,59 @@ def has_gguf_blocks(reader) -> bool:
 
 
 def _size(n_bytes: int) -> str:
+    if n_bytes >= 2**30:
+        return f"{n_bytes / 2**30:.1f} GiB"
     return f"{n_bytes / 2**20:.1f} MiB" if n_bytes >= 2**20 else f"{n_bytes / 2**10:.0f} KiB"
+
+
+def _summary(group: list) -> str:
+    """Tensors counted and sized per GGUF type: "2 Q4_K (1.5 MiB), 1 F16 (2.0 MiB)"."""
+    by_type: dict[str, list[int]] = {}
+    for t in group:
+        count = by_type.setdefault(t.tensor_type.name, [0, 0])
+        count[0] += 1
+        count[1] += t.n_bytes
+    return ", ".join(f"{n} {kind} ({_size(b)})" for kind, (n, b) in by_type.items())
 
 
 def _kept_line(path: Path, tensors: list, kept: set[str]) -> str:
     """One line on what stayed in blocks and what was dequantized, bytes per GGUF type: of
     `tensors`, the linear weights and the embedding."""
-
-    def summary(group):
-        by_type: dict[str, list[int]] = {}
-        for t in group:
-            count = by_type.setdefault(t.tensor_type.name, [0, 0])
-            count[0] += 1
-            count[1] += t.n_bytes
-        return ", ".join(f"{n} {kind} ({_size(b)})" for kind, (n, b) in by_type.items())
-
     rest = [t for t in tensors if t.name not in kept]
     line = f"{path.name}: weights kept in blocks: "
-    line += summary([t for t in tensors if t.name in kept]) or "none"
+    line += _summary([t for t in tensors if t.name in kept]) or "none"
     if rest:
-        fp32 = _size(sum(t.n_elements for t in rest) * 4)
-        line += f"; dequantized to float32 ({fp32}): {summary(rest)}"
+        fp32 = sum(t.n_elements for t in rest) * 4
+        cost = fp32 / sum(t.n_bytes for t in rest)
+        line += f"; dequantized to float32 ({_size(fp32)}, {cost:.1f}x their bytes in the file"
+        line += f", read at that size every token): {_summary(rest)}"
     return line
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes, or None where there is none to read."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _check_fits(path: Path, tensors: list, kept: set[str]) -> None:
+    """Refuses a load whose weights (`tensors` in blocks where kept, others as fp32) would not
+    fit the memory available now, naming what is dequantized, before anything is read."""
+    rest = [t for t in tensors if t.name not in kept]
+    fp32 = sum(t.n_elements for t in rest) * 4
+    need = fp32 + sum(t.n_bytes for t in tensors if t.name in kept)
+    available = _available_memory()
+    if available is not None and need > available:
+        raise ModelLoadError(
+            f"{path.name} would take about {_size(need)} once loaded, {_size(fp32)} of it "
+            f"dequantized to float32 ({_summary(rest) or 'none'}), more than the "
+            f"{_size(available)} of memory available: use --dtype gguf on a file whose types "
+            f"stay in blocks ({', '.join(BLOCK_BYTES)}), or a smaller model"
+        )
 
 
 def _drop_mapped_pages(reader, tensor) -> None:
@@ -584,9 +615,12 @@ def _load_gguf(
     embed = by_name["token_embd.weight"]
     if keep_blocks and embed.tensor_type.name in BLOCK_BYTES:
         kept.add(embed.name)  # the lookup decodes only the rows it takes
-    if keep_blocks:
-        log.info(
-            _kept_line(path, list({t.name: t for t in [*linear_tensors, embed]}.values()), kept)
+    tensors = list({t.name: t for t in [*linear_tensors, embed]}.values())
+    _check_fits(path, tensors, kept)
+    if keep_blocks:  # a warning where weights of a type it does not run are dequantized
+        quantized_rest = [t for t in tensors if t.name not in kept and t.tensor_type.name != "F32"]
+        log.log(
+            logging.WARNING if quantized_rest else logging.INFO, _kept_line(path, tensors, kept)
         )
 
     def fp32(name: str) -> torch.Tensor:
@@ -742,7 +776,9 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
     _check_tensors(path, set(by_name), expected, ["lm_head.weight", "rotary_emb.inv_freq"])
 
     def read(name: str) -> torch.Tensor:
-        return by_name[name].get_tensor(name).float()
+        # bf16 and fp16 stay as stored: the model converts each to its --dtype (no detour)
+        tensor = by_name[name].get_tensor(name)
+        return tensor if tensor.dtype in (torch.bfloat16, torch.float16) else tensor.float()
 
     embed = read("model.embed_tokens.weight")
     untied = not config.tie_word_embeddings and "lm_head.weight" in by_name

@@ -148,6 +148,14 @@ inline void prefetch_ahead(const void* p, int64_t bytes) {
     _mm_prefetch(static_cast<const char*>(p) + kAhead + b, _MM_HINT_T0);
 }
 
+// Asks for the same lines into L2 only: the K-quant kernel at one row consumes its weights
+// faster than the others, and there prefetches into L1 left it waiting on memory at about 60%
+// of the rate L2 prefetches reach (docs/performance.md).
+inline void prefetch_to_l2(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(static_cast<const char*>(p) + kAhead + b, _MM_HINT_T1);
+}
+
 // The block formats. Pointers to them step in bytes. Blocks of 32 k follow each other, kGroup
 // of them after a header of kHeader bytes (the K-quants' super-blocks of 256 k; the others
 // have none). For the vector of columns [j, j + kWidth) of a block: scale() and offset() once
@@ -547,7 +555,6 @@ inline IVec widen_scales(const uint8_t* p, bool is_signed) {
 inline IVec add32(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec sub32(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
 inline IVec mul32(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
-inline IVec pair_products(IVec a, IVec b) { return _mm512_madd_epi16(a, b); }
 inline IVec or_bytes(IVec a, IVec b) { return _mm512_or_si512(a, b); }
 constexpr int kKRows = 4;
 #else
@@ -574,7 +581,6 @@ inline IVec widen_scales(const uint8_t* p, bool is_signed) {
 inline IVec add32(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec sub32(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
 inline IVec mul32(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
-inline IVec pair_products(IVec a, IVec b) { return _mm256_madd_epi16(a, b); }
 inline IVec or_bytes(IVec a, IVec b) { return _mm256_or_si256(a, b); }
 constexpr int kKRows = 2;  // the sums and accumulators of more rows spill from 16 registers
 #endif
@@ -721,10 +727,9 @@ void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const
 // panels (model/linear.py, pack_k_for_int8), since the parts of a fused matrix may be of
 // different types: int64 [1 + 4 P] (P, then per panel its byte offset, type 0-2 = Q4_K, Q5_K,
 // Q6_K, first output and outputs), then each panel's K/256 super-blocks:
-//   header: the 32 rows' d (fp16); Q4_K/Q5_K then their dmin (fp16) and, for each two
-//           sub-blocks, the rows' mins as int16 pairs (int32 [4][32]).
-//   8 sub-blocks of 32 k: the rows' 6-bit scales (uint8 [32]; Q6_K: int8 [2][32], one per 16
-//           k), the codes' low 4 bits in the 4-bit layout above, then their high bits (Q5_K
+//   header: the 32 rows' d (fp16); Q4_K/Q5_K then their dmin (fp16).
+//   8 sub-blocks of 32 k: the rows' 6-bit scales and mins (uint8 [2][32]; Q6_K: int8 scales
+//           [2][32], one per 16 k), the codes' low 4 bits in the 4-bit layout above, then their high bits (Q5_K
 //           one plane, Q6_K two): per 8 k, low and high nibble and plane, 128 bits, bit b the
 //           code of byte b of those 128 bytes.
 
@@ -733,8 +738,8 @@ constexpr int64_t kSuper = 256;  // k per super-block, and per activation scale
 template <int kKind>  // 0, 1, 2: Q4_K, Q5_K, Q6_K, also their count of high bit planes
 struct KLayout {
   static constexpr bool kMins = kKind < 2;
-  static constexpr int64_t kHeader = kMins ? 2 * kPanel * 2 + 4 * kPanel * 4 : kPanel * 2;
-  static constexpr int64_t kScales = kMins ? kPanel : 2 * kPanel;
+  static constexpr int64_t kHeader = (kMins ? 2 : 1) * kPanel * 2;
+  static constexpr int64_t kScales = 2 * kPanel;  // sc and m, or Q6_K's two sc
   static constexpr int64_t kCodes = kBlock * kPanel / 2;
   static constexpr int64_t kPlane = kBlock * kPanel / 64;  // bytes of bits: a nibble of 8 k
   static constexpr int64_t kSubBytes = kScales + kCodes + 8 * kKind * kPlane;
@@ -744,13 +749,13 @@ struct KLayout {
 struct Q8KRows {
   const int8_t* codes;    // [M, K]
   const float* d;         // [M, K/256]
-  const int32_t* pairs;   // [M, K/256, 4]: two sub-blocks' sums of codes as int16 (low, high)
-  const int32_t* sums16;  // [M, K/16]: 32 x each 16 k's sum of codes
+  const int32_t* sums32;  // [M, K/32]: each 32 k's sum of codes (Q4_K and Q5_K's mins)
+  const int32_t* sums16;  // [M, K/16]: 32 x each 16 k's sum of codes (Q6_K's offset)
   int64_t K;
 };
 
 // x [M, K] -> Q8_K rows, as llama.cpp's quantize_row_q8_K rounds them.
-void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, int32_t* pairs,
+void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, int32_t* sums32,
                        int32_t* sums16) {
   const int64_t supers = K / kSuper;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
@@ -778,10 +783,7 @@ void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, floa
         d[b] = 1.f / iscale;
       }
       for (int g = 0; g < kSuper / 16; ++g) sums16[b * (kSuper / 16) + g] = 32 * sum16[g];
-      for (int p = 0; p < 4; ++p) {
-        const int lo = sum16[4 * p] + sum16[4 * p + 1], hi = sum16[4 * p + 2] + sum16[4 * p + 3];
-        pairs[b * 4 + p] = static_cast<int32_t>(static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
-      }
+      for (int s = 0; s < kSuper / kBlock; ++s) sums32[b * (kSuper / kBlock) + s] = sum16[2 * s] + sum16[2 * s + 1];
     }
   });
 }
@@ -797,12 +799,13 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, f
     for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
   for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* super = panel + sb * L::kBytes;
+    prefetch_to_l2(super, L::kHeader);
     IVec sumi[MR][NV];
     for (int i = 0; i < MR; ++i)
       for (int v = 0; v < NV; ++v) sumi[i][v] = izero();
     for (int s = 0; s < kSuper / kBlock; ++s) {
       const uint8_t* sub = super + L::kHeader + s * L::kSubBytes;
-      prefetch_ahead(sub, L::kSubBytes);
+      prefetch_to_l2(sub, L::kSubBytes);
       const uint8_t *codes = sub + L::kScales, *planes = codes + L::kCodes;
       const int8_t* a = x.codes + sb * kSuper + s * kBlock;
       // Q6_K's scales are per 16 k: two halves of 2 steps of 8 k; the others one of 4.
@@ -846,10 +849,12 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, f
         const float dx = x.d[i * supers + sb];
         acc[i][v] = ffma(to_float(sumi[i][v]), fmul(dw, fset(dx)), acc[i][v]);
         if constexpr (L::kMins) {
-          const int32_t* pairs = x.pairs + (i * supers + sb) * 4;
+          const int32_t* sums = x.sums32 + i * (x.K / kBlock) + sb * (kSuper / kBlock);
           IVec summ = izero();
-          for (int p = 0; p < 4; ++p)
-            summ = add32(summ, pair_products(load_codes(super + 4 * kPanel + p * kPanel * 4 + 4 * j), words(pairs[p])));
+          for (int s = 0; s < kSuper / kBlock; ++s) {
+            const uint8_t* mins = super + L::kHeader + s * L::kSubBytes + kPanel + j;
+            summ = add32(summ, mul32(widen_scales(mins, false), words(sums[s])));
+          }
           acc[i][v] = ffma(to_float(summ), fmul(fp16s(super + 2 * (kPanel + j)), fset(-dx)), acc[i][v]);
         }
       }
@@ -883,7 +888,8 @@ void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* 
       const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
       for (int64_t m = 0; m < M; m += kKRows) {
         const int64_t supers = x.K / kSuper;
-        const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.pairs + m * supers * 4, x.sums16 + m * (x.K / 16), x.K};
+        const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.sums32 + m * (x.K / kBlock), x.sums16 + m * (x.K / 16),
+                           x.K};
         const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
         const auto seq = std::make_integer_sequence<int, kKRows>{};
         const float* b = bias ? bias + e[2] : nullptr;
@@ -897,6 +903,83 @@ void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* 
       }
     }
   });
+}
+
+
+// --- Rows of the 8-bit-activation layouts as fp32, for a tied embedding's lookup ---------
+// The values gguf dequantizes to, as the exact path gives them: fma(scale, code, offset).
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// Column j's code for k (0-31) in a block's nibbles, with `planes` high bits after them.
+inline int nibble_code(const uint8_t* codes, int64_t j, int64_t k, int planes) {
+  const int64_t step = k / 8, half = k % 8 / 4, at = 32 * (j / 8) + 4 * (j % 8) + k % 4;
+  int code = codes[128 * step + at] >> (4 * half) & 15;
+  const uint8_t* bits = codes + kBlock * kPanel / 2 + (2 * step + half) * planes * 16;
+  for (int p = 0; p < planes; ++p) code |= (bits[p * 16 + at / 8] >> (at % 8) & 1) << (4 + p);
+  return code;
+}
+
+// Row j of a panel of 32-k blocks of `bytes` (kNibbleBlock, kFiveBitBlock or kByteBlock).
+void int8_row(const uint8_t* panel, int64_t bytes, int64_t j, float* out, int64_t K) {
+  for (int64_t b = 0; b < K / kBlock; ++b, out += kBlock) {
+    const uint8_t* block = panel + b * bytes;
+    const float scale = half_at(block + 2 * j);
+    if (bytes == kByteBlock) {
+      const auto* codes = reinterpret_cast<const int8_t*>(block + 2 * kPanel);
+      for (int64_t k = 0; k < kBlock; ++k) out[k] = scale * codes[128 * (k / 4) + 32 * (j / 8) + 4 * (j % 8) + k % 4];
+      continue;
+    }
+    const float offset = half_at(block + 2 * (kPanel + j));
+    for (int64_t k = 0; k < kBlock; ++k)
+      out[k] = std::fma(scale, static_cast<float>(nibble_code(block + 4 * kPanel, j, k, bytes == kFiveBitBlock)), offset);
+  }
+}
+
+// Row j of a K-quant panel of the table (see KLayout).
+template <int kKind>
+void k_row(const uint8_t* panel, int64_t j, float* out, int64_t K) {
+  using L = KLayout<kKind>;
+  for (int64_t sb = 0; sb < K / kSuper; ++sb) {
+    const uint8_t* super = panel + sb * L::kBytes;
+    const float d = half_at(super + 2 * j);
+    for (int s = 0; s < kSuper / kBlock; ++s, out += kBlock) {
+      const uint8_t* sub = super + L::kHeader + s * L::kSubBytes;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        float scale, offset;
+        if constexpr (L::kMins) {
+          scale = d * sub[j];
+          offset = -(half_at(super + 2 * (kPanel + j)) * sub[kPanel + j]);
+        } else {
+          scale = d * static_cast<int8_t>(sub[k / 16 * kPanel + j]);
+          offset = -32.f * scale;
+        }
+        out[k] = std::fma(scale, static_cast<float>(nibble_code(sub + L::kScales, j, k, kKind)), offset);
+      }
+    }
+  }
+}
+
+// Checks a table of K-quant panels (see KLayout) for K inputs; returns its outputs.
+int64_t k_table_outputs(const torch::Tensor& packed, int64_t K) {
+  const auto* table = reinterpret_cast<const int64_t*>(packed.data_ptr<int8_t>());
+  TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && packed.numel() >= 8 * (1 + 4 * table[0]),
+              "weights: a table of K-quant panels (8-bit activations) for K a multiple of 256");
+  int64_t n = 0;
+  for (int64_t p = 0; p < table[0]; n += table[4 + 4 * p], ++p) {
+    const int64_t *e = table + 1 + 4 * p, kind = e[1];
+    const int64_t bytes = kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+    // Each panel ends where the next begins (the last, at the end), at a multiple of 64 bytes.
+    const int64_t end = p + 1 < table[0] ? e[4] : packed.numel();
+    TORCH_CHECK(kind >= 0 && kind <= 2 && e[0] >= 8 * (1 + 4 * table[0]) &&
+                    e[0] + (K / kSuper * bytes + 63) / 64 * 64 == end && e[2] == n && e[3] > 0 && e[3] <= kPanel,
+                "weights: panel ", p, " of the K-quant table does not fit K ", K);
+  }
+  return n;
 }
 
 }  // namespace
@@ -918,18 +1001,7 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   auto out = torch::empty({M, N}, x.options());
   if (packed.scalar_type() == torch::kInt8 && packed.dim() == 1 && packed.is_contiguous()) {  // 8-bit activations, K-quants
     const auto* blob = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
-    const auto* table = reinterpret_cast<const int64_t*>(blob);
-    TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && packed.numel() >= 8 * (1 + 4 * table[0]),
-                "weights: a table of K-quant panels (8-bit activations) for K a multiple of 256");
-    for (int64_t p = 0, n = 0; p < table[0]; n += table[4 + 4 * p], ++p) {
-      const int64_t *e = table + 1 + 4 * p, kind = e[1];
-      const int64_t bytes = kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
-      // Each panel ends where the next begins (the last, at the end), at a multiple of 64 bytes.
-      const int64_t end = p + 1 < table[0] ? e[4] : packed.numel();
-      TORCH_CHECK(kind >= 0 && kind <= 2 && e[0] >= 8 * (1 + 4 * table[0]) && e[0] + (K / kSuper * bytes + 63) / 64 * 64 == end &&
-                      e[2] == n && e[3] > 0 && e[3] <= kPanel && (p + 1 < table[0] || n + e[3] == N),
-                  "weights: panel ", p, " of the K-quant table does not fit ", N, " outputs of K ", K);
-    }
+    TORCH_CHECK(k_table_outputs(packed, K) == N, "weights: a K-quant table of other than ", N, " outputs");
     if (M == 0) return out;
     thread_local std::vector<int8_t> codes;
     thread_local std::vector<float> scales;
@@ -937,9 +1009,10 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     const int64_t supers = K / kSuper;
     codes.resize(M * K);
     scales.resize(M * supers);
-    sums.resize(M * supers * 4 + M * (K / 16));
-    quantize_rows_q8k(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), sums.data(), sums.data() + M * supers * 4);
-    const Q8KRows rows{codes.data(), scales.data(), sums.data(), sums.data() + M * supers * 4, K};
+    sums.resize(M * (K / kBlock) + M * (K / 16));
+    int32_t* sums16 = sums.data() + M * (K / kBlock);
+    quantize_rows_q8k(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), sums.data(), sums16);
+    const Q8KRows rows{codes.data(), scales.data(), sums.data(), sums16, K};
     run_k_int(rows, blob, b, out.data_ptr<float>(), M, N);
     return out;
   }
@@ -997,11 +1070,47 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   return out;
 }
 
+// packed_rows of weights packed for 8-bit activations: a table of K-quant panels, or blocks of 32.
+torch::Tensor int8_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t K) {
+  TORCH_CHECK(packed.is_contiguous() && (packed.dim() == 1 || packed.dim() == 3), "weights: int8 blocks, contiguous");
+  const auto idc = ids.contiguous();
+  const int64_t n = idc.numel(), *id = idc.data_ptr<int64_t>();
+  const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+  const int64_t* table = reinterpret_cast<const int64_t*>(w);  // K-quants: panels, in order
+  TORCH_CHECK(packed.dim() == 1 || (packed.size(1) == K / kBlock && K % kBlock == 0), "blocks for another K");
+  const int64_t rows = packed.dim() == 1 ? k_table_outputs(packed, K) : packed.size(0) * kPanel;
+  const int64_t panels = packed.dim() == 1 ? table[0] : 0;
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " is out of range");
+  auto out = torch::empty({n, K}, torch::kFloat32);
+  at::parallel_for(0, n, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* row = out.data_ptr<float>() + i * K;
+      if (packed.dim() == 3) {
+        int8_row(w + id[i] / kPanel * packed.size(1) * packed.size(2), packed.size(2), id[i] % kPanel, row, K);
+        continue;
+      }
+      // The last panel whose first output is at most the row.
+      int64_t lo = 0, hi = panels - 1;
+      while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (table[3 + 4 * mid] <= id[i]) lo = mid; else hi = mid - 1;
+      }
+      const int64_t* e = table + 1 + 4 * lo;
+      const int64_t j = id[i] - e[2];
+      if (e[1] == 0) k_row<0>(w + e[0], j, row, K);
+      else if (e[1] == 1) k_row<1>(w + e[0], j, row, K);
+      else k_row<2>(w + e[0], j, row, K);
+    }
+  });
+  return out;
+}
+
 // A tied embedding's lookup, from the output layer's blocks: one copy of the matrix serves both.
 torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids, int64_t K) {
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids: [n] int64");
+  if (packed.scalar_type() == torch::kInt8) return int8_rows(packed, ids, K);
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.dim() == 3,
               "weights: blocks, contiguous");
-  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1, "ids: [n] int64");
   const auto idc = ids.contiguous();
   const int64_t n = idc.numel(), rows = packed.size(0) * kPanel, panel_size = packed.size(1) * packed.size(2);
   const int64_t* id = idc.data_ptr<int64_t>();
