@@ -379,7 +379,7 @@ def test_int8_activations_on_k_quants_compute_llama_cpp_arithmetic(kernel, kinds
     file's Q/K/V does): rows rounded as llama.cpp's Q8_K, per 256 k, then integer dot
     products. Equal to that arithmetic in float64 up to fp32 rounding, and each row gives the
     same bits in any batch."""
-    rows = [64, 32, 45][: len(kinds)] if len(kinds) > 1 else [70]
+    rows = [45, 32, 64][: len(kinds)] if len(kinds) > 1 else [70]  # parts ending mid-panel
     n = sum(rows)
     blocks, w = k_quant_parts(kinds, rows, 512, seed=10)
     packed = pack_for_int8(blocks if len(blocks) > 1 else blocks[0])
@@ -452,7 +452,7 @@ def test_rows_of_int8_layouts_are_the_dequantized_weights(kinds):
     """A tied embedding under gguf-int8 is looked up in the output layer's 8-bit-activation
     layout: each row decodes to the fp32 values gguf dequantizes to, bit for bit, in any of
     its layouts (a table of K-quant panels of several types included)."""
-    rows = [64, 32, 45][: len(kinds)] if len(kinds) > 1 else [70]
+    rows = [45, 32, 64][: len(kinds)] if len(kinds) > 1 else [70]  # parts ending mid-panel
     k = 512 if kinds[0].endswith("_K") else 96
     parts = [
         gguf_weights(kind, n, k, 0.1, seed=30 + i) for i, (kind, n) in enumerate(zip(kinds, rows))

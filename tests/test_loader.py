@@ -181,18 +181,47 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
         assert 0 < abs(a["logprob"] - b["logprob"]) < 0.05
 
 
-def test_a_model_that_would_not_fit_is_refused_before_it_is_read(tiny_model, monkeypatch):
-    """The weights' size once loaded (blocks kept, the rest as fp32) is checked against the
-    memory available before a tensor is read; over it, the error names the sizes."""
+def test_a_model_that_would_not_fit_is_refused_before_it_is_read(
+    tiny_llama_dir, default_model_path, tmp_path, monkeypatch
+):
+    """Under --dtype gguf, the weights' size once loaded (blocks kept, the rest as fp32) is
+    checked against the memory available before a tensor is read; over it, the error names
+    the sizes and what would be dequantized."""
     from kvfence.model import loader
 
+    path = save_tiny_gguf(
+        tiny_llama_dir, tmp_path / "m.gguf", default_model_path, types={"*": "Q8_0"}
+    )
     monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
     with pytest.raises(
         ModelLoadError,
         match=r"would take about [\d.]+ [KM]iB once loaded, [\d.]+ [KM]iB of it dequantized to "
-        r"float32 \(\d+ F32 .*more than the 1 KiB of memory available",
+        r"float32 \(none\), more than the 1 KiB of memory available",
     ):
-        LLM(str(tiny_model("llama", "gguf")))
+        LLM(str(path))
+    assert LLM(str(path), dtype="float32").engine.config.dtype == "float32"  # no blocks, no check
+
+
+def test_gguf_int8_refuses_k_quants_fused_with_blocks_of_32(
+    tmp_path_factory, tokenizer, default_model_path
+):
+    """Q/K/V is one matrix: Q4_K rows (activations rounded per 256) and a Q8_0 V (per 32) have
+    no one rounding of the activations, so gguf-int8 names them; gguf runs the file."""
+    hf_dir = save_tiny_model(
+        tmp_path_factory, tokenizer, "llama", hidden_size=256, intermediate_size=512
+    )
+    path = save_tiny_gguf(
+        hf_dir,
+        hf_dir.parent / "mix.gguf",
+        default_model_path,
+        types={"attn_v.weight": "Q8_0", "*": "Q4_K"},
+    )
+    small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    with pytest.raises(
+        ModelLoadError, match=r"fuses blk\.0\.attn_k\.weight, .* Q4_K, Q8_0 in mix\.gguf"
+    ):
+        LLM(str(path), dtype="gguf-int8", **small)
+    assert LLM(str(path), **small).engine.config.dtype == "gguf"
 
 
 def test_bf16_safetensors_reach_the_model_without_a_float32_copy(tiny_llama_dir, tmp_path):

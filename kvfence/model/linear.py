@@ -257,10 +257,6 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     def fp16(t):
         return torch.equal(t.half().float(), t)
 
-    # The code of each block's weight 0, where its type has one (Q8_0 128, Q5_0 16, Q4_0 8)
-    zero = torch.where(scale != 0, -offset / scale, 128).round().clamp(0, 128).to(torch.int16)
-    signed = codes.to(torch.int16) - zero.view(p, nb, 4, 8, 1)
-
     if codes.max() < 32 and fp16(scales):
         # [P, K/32, h, g, j, t, high]
         nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
@@ -271,17 +267,19 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
             bits = np.packbits(fifth.numpy(), axis=-1, bitorder="little")
             parts.append(torch.from_numpy(bits).flatten(2))
         packed = torch.cat(parts, dim=2)
-    elif torch.equal(offset, -zero * scale) and fp16(scale) and signed.max() < 128:
-        # Q8_0, and Q4_0 or Q5_0 beside it: signed codes q = code - zero, no offset
+    else:  # Q8_0, and Q4_0 or Q5_0 beside it: signed codes q = code - zero, no offset
+        # the code of each block's weight 0, where its type has one (Q8_0 128, Q5_0 16, Q4_0 8)
+        zero = torch.where(scale != 0, -offset / scale, 128).round().clamp(0, 128).to(torch.int16)
+        signed = codes.to(torch.int16) - zero.view(p, nb, 4, 8, 1)
+        if not (torch.equal(offset, -zero * scale) and fp16(scale) and signed.max() < 128):
+            raise ValueError(
+                "8-bit activations need blocks with fp16 scales, and no 8-bit codes (Q8_0) in "
+                "one matrix with offsets (Q4_1, Q5_1)"
+            )
         signed = signed.to(torch.int8).view(torch.uint8)
         packed = torch.cat(
             [half(scale), signed.view(p, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).flatten(2)],
             dim=2,
-        )
-    else:
-        raise ValueError(
-            "8-bit activations need blocks with fp16 scales, and no 8-bit codes (Q8_0) in one "
-            "matrix with offsets (Q4_1, Q5_1)"
         )
     return packed.contiguous().view(torch.int8)
 
@@ -324,6 +322,7 @@ class Linear:
         # A list: the parts of a fused matrix in K-quants of different types, which only 8-bit
         # activations take apart (see loader._cat_rows).
         parts = weight if isinstance(weight, list) else [weight]
+        weight = parts[0] if len(parts) == 1 else weight
         self.out_features = sum(part.shape[0] for part in parts)
         self.dtype = dtype
         self.kernel = kernel

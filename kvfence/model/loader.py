@@ -527,8 +527,9 @@ def _available_memory() -> int | None:
 
 
 def _check_fits(path: Path, tensors: list, kept: set[str]) -> None:
-    """Refuses a load whose weights (`tensors` in blocks where kept, others as fp32) would not
-    fit the memory available now, naming what is dequantized, before anything is read."""
+    """Refuses a CPU load in blocks (--dtype gguf, gguf-int8) whose weights (`tensors` at
+    about their file's bytes where kept, others as fp32) would not fit the memory available
+    now, naming what is dequantized, before anything is read."""
     rest = [t for t in tensors if t.name not in kept]
     fp32 = sum(t.n_elements for t in rest) * 4
     need = fp32 + sum(t.n_bytes for t in tensors if t.name in kept)
@@ -616,8 +617,8 @@ def _load_gguf(
     if keep_blocks and embed.tensor_type.name in BLOCK_BYTES:
         kept.add(embed.name)  # the lookup decodes only the rows it takes
     tensors = list({t.name: t for t in [*linear_tensors, embed]}.values())
-    _check_fits(path, tensors, kept)
     if keep_blocks:  # a warning where weights of a type it does not run are dequantized
+        _check_fits(path, tensors, kept)
         quantized_rest = [t for t in tensors if t.name not in kept and t.tensor_type.name != "F32"]
         log.log(
             logging.WARNING if quantized_rest else logging.INFO, _kept_line(path, tensors, kept)

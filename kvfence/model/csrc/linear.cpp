@@ -967,7 +967,7 @@ void k_row(const uint8_t* panel, int64_t j, float* out, int64_t K) {
 // Checks a table of K-quant panels (see KLayout) for K inputs; returns its outputs.
 int64_t k_table_outputs(const torch::Tensor& packed, int64_t K) {
   const auto* table = reinterpret_cast<const int64_t*>(packed.data_ptr<int8_t>());
-  TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && packed.numel() >= 8 * (1 + 4 * table[0]),
+  TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && table[0] <= (packed.numel() / 8 - 1) / 4,
               "weights: a table of K-quant panels (8-bit activations) for K a multiple of 256");
   int64_t n = 0;
   for (int64_t p = 0; p < table[0]; n += table[4 + 4 * p], ++p) {
@@ -1077,7 +1077,10 @@ torch::Tensor int8_rows(const torch::Tensor& packed, const torch::Tensor& ids, i
   const int64_t n = idc.numel(), *id = idc.data_ptr<int64_t>();
   const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
   const int64_t* table = reinterpret_cast<const int64_t*>(w);  // K-quants: panels, in order
-  TORCH_CHECK(packed.dim() == 1 || (packed.size(1) == K / kBlock && K % kBlock == 0), "blocks for another K");
+  TORCH_CHECK(packed.dim() == 1 || (packed.size(1) == K / kBlock && K % kBlock == 0 &&
+                                     (packed.size(2) == kNibbleBlock || packed.size(2) == kFiveBitBlock ||
+                                      packed.size(2) == kByteBlock)),
+              "weights: blocks for 8-bit activations of another K, or of no layout");
   const int64_t rows = packed.dim() == 1 ? k_table_outputs(packed, K) : packed.size(0) * kPanel;
   const int64_t panels = packed.dim() == 1 ? table[0] : 0;
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < rows, "row ", id[i], " is out of range");
