@@ -89,7 +89,7 @@ class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: Weights,
+        weights: Weights,  # taken over: its head and embedding are released once packed
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         int8_activations: bool = False,
@@ -113,6 +113,9 @@ class LlamaModel:
         self.embed, self.lookup = self._lookup(
             weights, self.lm_head, packed_rows_kernel(self.device.type)
         )
+        # The model keeps what it needs of them: the loader's copies go before the layers are
+        # packed, rather than stay beside them to the end of the load.
+        weights.lm_head = weights.embed = None
         self.layers = [
             Layer(
                 fp32(w.attn_norm),
