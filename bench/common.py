@@ -72,8 +72,9 @@ def matmul_peak_gflops(
     return best
 
 
-FMA_LOOP = r"""
+PEAK_LOOPS = r"""
 #include <torch/extension.h>
+#include <immintrin.h>
 #include <omp.h>
 #if defined(__AVX512F__)
 typedef float vec __attribute__((vector_size(64)));
@@ -100,50 +101,98 @@ double fma_chains(int64_t iterations, int threads) {
   (void)keep;
   return 2.0 * Chains * (sizeof(vec) / sizeof(float)) * iterations * threads;
 }
-double fma_loop(int64_t iterations, int threads, int chains) {
+// The same with the int8 products the linear kernel's 8-bit activations use: vpdpbusd
+// (AVX-512 VNNI, 64 byte products a vector), else vpmaddubsw, vpmaddwd and vpaddd (32).
+// Returns the operations done, a multiply and an add per byte product.
+template <int Chains>
+double dot_chains(int64_t iterations, int threads) {
+  std::vector<int> sink(threads);
+#if defined(__AVX512VNNI__)
+  using ivec = __m512i;
+  auto bytes = [](int b) { return _mm512_set1_epi8(static_cast<char>(b)); };
+  auto dot = [](ivec acc, ivec u, ivec s) { return _mm512_dpbusd_epi32(acc, u, s); };
+  auto first = [](ivec v) { return _mm_cvtsi128_si32(_mm512_castsi512_si128(v)); };
+#else
+  using ivec = __m256i;
+  auto bytes = [](int b) { return _mm256_set1_epi8(static_cast<char>(b)); };
+  auto dot = [](ivec acc, ivec u, ivec s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  };
+  auto first = [](ivec v) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(v)); };
+#endif
+#pragma omp parallel num_threads(threads)
+  {
+    ivec acc[Chains], u = bytes(3), s = bytes(-2);
+    for (int i = 0; i < Chains; ++i) acc[i] = bytes(i);
+    for (int64_t n = 0; n < iterations; ++n) {
+      asm volatile("" : "+v"(u), "+v"(s));  // as if new codes came: nothing to hoist
+#pragma GCC unroll 16
+      for (int i = 0; i < Chains; ++i) acc[i] = dot(acc[i], u, s);
+    }
+    int total = 0;
+    for (int i = 0; i < Chains; ++i) total += first(acc[i]);
+    sink[omp_get_thread_num()] = total;
+  }
+  volatile int keep = sink[0];
+  (void)keep;
+  return 2.0 * Chains * sizeof(ivec) * iterations * threads;
+}
+double peak_loop(bool int8, int64_t iterations, int threads, int chains) {
   switch (chains) {
-    case 8: return fma_chains<8>(iterations, threads);
-    case 10: return fma_chains<10>(iterations, threads);
-    case 12: return fma_chains<12>(iterations, threads);
-    case 14: return fma_chains<14>(iterations, threads);
+    case 8: return int8 ? dot_chains<8>(iterations, threads) : fma_chains<8>(iterations, threads);
+    case 10: return int8 ? dot_chains<10>(iterations, threads) : fma_chains<10>(iterations, threads);
+    case 12: return int8 ? dot_chains<12>(iterations, threads) : fma_chains<12>(iterations, threads);
+    case 14: return int8 ? dot_chains<14>(iterations, threads) : fma_chains<14>(iterations, threads);
     default: TORCH_CHECK(false, "chains must be 8, 10, 12 or 14");
   }
 }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("fma_loop", &fma_loop); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("peak_loop", &peak_loop); }
 """
 
 
-def fma_peak_gflops(repeats: int = 5) -> float | None:
-    """The cores' own fp32 peak: every thread (torch's thread count, each its own OpenMP
-    thread) runs independent chains of vector fused multiply-adds, the widest the CPU has
-    (compiled here with -march=native). The chain count that covers FMA latency times pipes
-    differs between cores, so the best of 8 to 14 counts. On AMD CPUs MKL's GEMM, which
-    matmul_peak_gflops times, reaches well under half of it. None where the loop cannot be
-    compiled."""
+def _loop_peak(int8: bool, repeats: int) -> float | None:
+    """The best median rate (G operations/s) of PEAK_LOOPS' loop over 8 to 14 chains, on
+    every thread (torch's thread count, each its own OpenMP thread), compiled here with
+    -march=native; None where it cannot be compiled."""
     from torch.utils.cpp_extension import load_inline
 
     flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
     try:
         module = load_inline(
-            "kvfence_bench_fma_chains",
-            FMA_LOOP,
+            "kvfence_bench_peak_loops",
+            PEAK_LOOPS,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
         )
     except Exception as e:  # no compiler or ninja: the report leaves this peak out
-        print(f"fp32 FMA peak not measured: the loop did not build ({e})", file=sys.stderr)
+        print(f"peak not measured: the loop did not build ({e})", file=sys.stderr)
         return None
     threads = torch.get_num_threads()
     best = 0.0
     for chains in (8, 10, 12, 14):
-        module.fma_loop(1_000_000, threads, chains)
+        module.peak_loop(int8, 1_000_000, threads, chains)
         rates = []
         for _ in range(repeats):
             t = time.perf_counter()
-            flops = module.fma_loop(20_000_000, threads, chains)
-            rates.append(flops / (time.perf_counter() - t) / 1e9)
+            ops = module.peak_loop(int8, 20_000_000, threads, chains)
+            rates.append(ops / (time.perf_counter() - t) / 1e9)
         best = max(best, statistics.median(rates))
     return best
+
+
+def fma_peak_gflops(repeats: int = 5) -> float | None:
+    """The cores' own fp32 peak: independent chains of vector fused multiply-adds, the widest
+    the CPU has. The chain count that covers FMA latency times pipes differs between cores,
+    so the best of 8 to 14 counts. On AMD CPUs MKL's GEMM, which matmul_peak_gflops times,
+    reaches well under half of it. None where the loop cannot be compiled."""
+    return _loop_peak(False, repeats)
+
+
+def int8_peak_gops(repeats: int = 5) -> float | None:
+    """The cores' peak on the int8 products --dtype gguf-int8 computes with (vpdpbusd with
+    AVX-512 VNNI, else AVX2's vpmaddubsw + vpmaddwd + vpaddd), in G operations/s, two a byte
+    product, as GFLOP/s count an FMA; None where the loop cannot be compiled."""
+    return _loop_peak(True, repeats)
 
 
 def checked_fma_peak(fma_gflops: float | None, gemm_gflops: float) -> float | None:

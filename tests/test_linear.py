@@ -92,6 +92,27 @@ def test_refuses_mismatched_weights(kernel):
         kernel(torch.randn(2, 32), w, 64, torch.randn(63))
 
 
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_16_bit_weights_of_fp32_layers_stay_16_bit_with_fp32_bits(kernel, half):
+    """A GGUF file's F16/BF16 tensors (or a 16-bit checkpoint) in an fp32 layer: the kernel
+    reads them at 2 bytes a weight and widens them exactly, so every batch size gives the bits
+    of the same weights held as fp32. Under gguf-int8, x is rounded to their type first, as
+    llama.cpp's F16 and BF16 dot products take it."""
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(77, 96, generator=gen).to(half), torch.randn(77, generator=gen)
+    cpu = torch.device("cpu")
+    layer = Linear(w, bias, torch.float32, cpu, kernel)
+    wide = Linear(w.float(), bias, torch.float32, cpu, kernel)
+    rounded = Linear(w, bias, torch.float32, cpu, kernel, int8_activations=True)
+    assert layer.packed.dtype == rounded.packed.dtype == half
+    assert layer.packed.nbytes == wide.packed.nbytes // 2
+    for m in (1, 5, 13, 40):
+        x = torch.randn(m, 96, generator=gen)
+        assert torch.equal(layer(x), wide(x))
+        assert torch.equal(rounded(x), wide(x.to(half).float()))
+        assert not torch.equal(rounded(x), layer(x))
+
+
 # Where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), bf16 layers hand it large batches; elsewhere
 # (AVX2) the kernel runs them all.
 HAS_ONEDNN_BF16 = onednn_prepacked(torch.zeros(32, 32, dtype=torch.bfloat16)) is not None
@@ -312,8 +333,8 @@ def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
         assert torch.equal(kernel(x[:m], pack_for_int8(blocks), 70, bias), expected[:m])
 
 
-def test_int8_activations_need_gguf_blocks(kernel):
-    with pytest.raises(ValueError, match="GGUF blocks"):
+def test_int8_activations_need_gguf_weights(kernel):
+    with pytest.raises(ValueError, match="GGUF weights"):
         Linear(
             torch.randn(64, 96),
             None,

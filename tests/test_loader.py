@@ -12,7 +12,7 @@ import torch
 from helpers import save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
-from kvfence.model.loader import ModelLoadError, llama3_rope_factors
+from kvfence.model.loader import HALF_TYPES, ModelLoadError, llama3_rope_factors
 
 
 def edited_copy(src, dst, **edits):
@@ -121,15 +121,17 @@ MIXES = {
         {},
         {
             "attn_q.weight": "Q5_0",
-            "attn_k.weight": "Q5_1",
+            "attn_k.weight": "Q4_0",
             "attn_v.weight": "Q8_0",
+            "ffn_gate.weight": "Q5_1",
             "ffn_down.weight": "F16",
             "output.weight": "BF16",
             "*": "Q4_1",
         },
-        ["Q5_0", "Q5_1", "Q8_0", "Q4_1"],
-        ["F16", "BF16"],
+        ["Q5_0", "Q4_0", "Q8_0", "Q5_1", "Q4_1", "F16", "BF16"],  # 16-bit floats stay 16-bit
+        [],
     ),
+    "unsupported": ({}, {"attn_output.weight": "MXFP4", "*": "Q8_0"}, ["Q8_0"], ["MXFP4"]),
 }
 
 
@@ -137,7 +139,7 @@ MIXES = {
 def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
     mix, tmp_path_factory, tokenizer, default_model_path, caplog
 ):
-    """--dtype auto keeps every type it has blocks for and dequantizes the rest, says so in
+    """--dtype auto keeps every type it runs as stored and dequantizes the rest, says so in
     one line, and gives --dtype float32's logprobs bit for bit; gguf-int8 names the tensor
     it cannot run."""
     shape, types, kept, dequantized = MIXES[mix]
@@ -148,7 +150,7 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
         blocks = LLM(str(path), **small)
     assert blocks.engine.config.dtype == "gguf"
     assert blocks.engine.runner.model.embed.dtype == torch.uint8  # rows decoded as looked up
-    (record,) = [r for r in caplog.records if "kept in blocks" in r.getMessage()]
+    (record,) = [r for r in caplog.records if "kept as stored" in r.getMessage()]
     line = record.getMessage()
     # a warning, with the cost, where a type it does not keep in blocks is dequantized
     assert (record.levelno == logging.WARNING) == bool(dequantized)
@@ -163,22 +165,59 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
     assert [o.outputs[0].logprobs for o in blocks.generate(prompts, params)] == [
         o.outputs[0].logprobs for o in fp32.generate(prompts, params)
     ]
-    if dequantized:  # F16 and BF16 have no 8-bit arithmetic in llama.cpp to run them with
+    if dequantized:
         with pytest.raises(
-            ModelLoadError, match=r"gguf-int8 runs on Q4_0, .*, Q6_K blocks; \S+ is"
+            ModelLoadError,
+            match=r"gguf-int8 runs on Q4_0, .*, Q6_K blocks and F16, BF16; \S+ is MXFP4",
         ):
             LLM(str(path), dtype="gguf-int8", **small)
         return
-    # Every K-quant, a fused Q/K/V of Q4_K and Q6_K rows among them: one table of both types
     int8 = LLM(str(path), dtype="gguf-int8", **small)
-    qkv = int8.engine.runner.model.layers[0].qkv.packed
-    assert qkv.dtype == torch.int8 and qkv.dim() == 1
+    for llm in (blocks, int8):
+        model = llm.engine.runner.model
+        if mix == "legacy":  # F16 and BF16 kept as stored; gguf-int8 rounds x to their type
+            assert model.layers[0].down.packed.dtype == torch.float16
+            assert model.lm_head.packed.dtype == torch.bfloat16
+            assert (model.lm_head.round_to is not None) == (llm is int8)
+    if mix == "k-quants":  # a fused Q/K/V of Q4_K and Q6_K rows: one table of both types
+        qkv = int8.engine.runner.model.layers[0].qkv.packed
+        assert qkv.dtype == torch.int8 and qkv.dim() == 1
     ours, exact = (
         [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params)] for llm in (int8, fp32)
     )
     for a, b in zip(ours, exact):
         assert b["token_id"] in [t for t, _ in a["top"]]
         assert 0 < abs(a["logprob"] - b["logprob"]) < 0.05
+
+
+@pytest.mark.parametrize("kind", ["F16", "BF16"])
+def test_a_16_bit_gguf_runs_at_its_own_bytes_with_float32s_bits(
+    kind, tmp_path_factory, tokenizer, default_model_path
+):
+    """An F16 or BF16 file (here Qwen2's, whose output layer is its embedding) stays 16-bit:
+    the kernel widens its weights exactly and the tied embedding is looked up in the output
+    layer's panels, so --dtype auto gives float32's logprobs at half its bytes; gguf-int8 runs
+    it on x rounded to the file's type."""
+    hf_dir = save_tiny_model(tmp_path_factory, tokenizer, "qwen2")
+    path = save_tiny_gguf(
+        hf_dir, hf_dir.parent / f"{kind}.gguf", default_model_path, {}, {"*": kind}
+    )
+    small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    llms = {
+        dtype: LLM(str(path), dtype=dtype, **small) for dtype in ("auto", "float32", "gguf-int8")
+    }
+    assert llms["auto"].engine.config.dtype == "gguf"
+    model = llms["auto"].engine.runner.model
+    assert model.embed is None and model.lm_head.packed.dtype == HALF_TYPES[kind]
+    assert {layer.gate_up.packed.dtype for layer in model.layers} == {model.lm_head.packed.dtype}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["hello", "a longer prompt that needs chunks of prefill"]
+    auto, fp32, int8 = (
+        [o.outputs[0].logprobs for o in llm.generate(prompts, params)] for llm in llms.values()
+    )
+    assert auto == fp32
+    for a, b in zip(int8, fp32):
+        assert 0 < abs(a[0]["logprob"] - b[0]["logprob"]) < 0.05
 
 
 def test_a_model_that_would_not_fit_is_refused_before_it_is_read(
@@ -202,11 +241,20 @@ def test_a_model_that_would_not_fit_is_refused_before_it_is_read(
     assert LLM(str(path), dtype="float32").engine.config.dtype == "float32"  # no blocks, no check
 
 
-def test_gguf_int8_refuses_k_quants_fused_with_blocks_of_32(
-    tmp_path_factory, tokenizer, default_model_path
+@pytest.mark.parametrize(
+    "v_type, others, why",
+    [
+        ("Q8_0", "Q4_K", "rounds rows per 256 k for K-quants but per 32"),
+        ("Q8_0", "Q4_1", "runs Q8_0 as signed codes"),
+        ("F16", "Q8_0", "which it runs in one type"),
+    ],
+)
+def test_gguf_int8_refuses_fused_matrices_it_has_no_one_arithmetic_for(
+    tmp_path_factory, tokenizer, default_model_path, v_type, others, why
 ):
-    """Q/K/V is one matrix: Q4_K rows (activations rounded per 256) and a Q8_0 V (per 32) have
-    no one rounding of the activations, so gguf-int8 names them; gguf runs the file."""
+    """Q/K/V is one matrix: Q4_K rows (activations rounded per 256) beside a Q8_0 V (per 32),
+    Q8_0's signed codes beside Q4_1's offsets, or F16 beside blocks have no one arithmetic,
+    so gguf-int8 names the tensors, their types and why; gguf runs the file."""
     hf_dir = save_tiny_model(
         tmp_path_factory, tokenizer, "llama", hidden_size=256, intermediate_size=512
     )
@@ -214,11 +262,12 @@ def test_gguf_int8_refuses_k_quants_fused_with_blocks_of_32(
         hf_dir,
         hf_dir.parent / "mix.gguf",
         default_model_path,
-        types={"attn_v.weight": "Q8_0", "*": "Q4_K"},
+        types={"attn_v.weight": v_type, "*": others},
     )
     small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    kinds = ", ".join(sorted({v_type, others}))
     with pytest.raises(
-        ModelLoadError, match=r"fuses blk\.0\.attn_k\.weight, .* Q4_K, Q8_0 in mix\.gguf"
+        ModelLoadError, match=rf"fuses blk\.0\.attn_k\.weight, .*{why}.* {kinds} in mix\.gguf"
     ):
         LLM(str(path), dtype="gguf-int8", **small)
     assert LLM(str(path), **small).engine.config.dtype == "gguf"

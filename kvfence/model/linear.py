@@ -34,7 +34,7 @@ def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 or bf16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
+    """fp32, bf16 or fp16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
     padded), k-major. Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) -> per panel and
     block of 32 k, the 32 rows' scales, their offsets, then the codes k-major. Where every
     code fits 4 bits, two codes a byte (row j low, row j + 16 high), with fp16 scales where
@@ -305,10 +305,13 @@ class Linear:
     it on the GGUF blocks where they are given (fewer bytes than bf16, and the exact
     weights); where oneDNN has a bf16 GEMM (AVX-512 BF16, AMX), which is far faster on large
     batches, they keep its layout too and use the kernel for small batches only, and are then
-    not batch invariant. int8_activations (GGUF blocks only): the kernel rounds x to 8 bits
-    per block of 32 (K-quants: 256, llama.cpp's Q8_K) and sums on integers, llama.cpp's
-    arithmetic: faster, still batch invariant, not the fp32 bits. Without the kernel (GPU, no
-    compiler, neither AVX-512 nor AVX2): torch's matmul."""
+    not batch invariant. fp16 and bf16 weights of fp32 layers stay 16-bit: the kernel widens
+    them exactly, so they give the bits of their fp32 values from half the bytes.
+    int8_activations (GGUF weights): the kernel rounds x to 8 bits per block of 32 (K-quants:
+    256, llama.cpp's Q8_K) and sums on integers, llama.cpp's arithmetic: faster, still batch
+    invariant, not the fp32 bits; fp16 and bf16 weights take x rounded to their own type, as
+    llama.cpp's F16 and BF16 dot products do. Without the kernel (GPU, no compiler, neither
+    AVX-512 nor AVX2): torch's matmul."""
 
     def __init__(
         self,
@@ -327,6 +330,7 @@ class Linear:
         self.dtype = dtype
         self.kernel = kernel
         blocks = parts[0].dtype == torch.uint8
+        half = parts[0].dtype in (torch.float16, torch.bfloat16)
         if len(parts) > 1 and not int8_activations:
             raise ValueError("a matrix in parts runs with 8-bit activations only")
         if blocks and kernel is None:
@@ -334,13 +338,16 @@ class Linear:
                 "GGUF blocks run only through the CPU linear kernel, which is unavailable here "
                 "(see the warning above): use --dtype float32, which gives the same results"
             )
-        if int8_activations and not (blocks and dtype == torch.float32):
-            raise ValueError("8-bit activations run on GGUF blocks with fp32 outputs only")
-        packer = pack_for_int8 if int8_activations else pack
+        if int8_activations and not ((blocks or half) and dtype == torch.float32):
+            raise ValueError("8-bit activations run on GGUF weights with fp32 outputs only")
+        # x rounded to the weights' 16-bit type, for llama.cpp's arithmetic on them
+        self.round_to = parts[0].dtype if int8_activations and half else None
+        keep = blocks or (half and dtype == torch.float32)  # as stored: widened exactly
+        packer = pack_for_int8 if int8_activations and blocks else pack
         self.packed = (
             None
             if kernel is None
-            else packer(parts if len(parts) > 1 else weight.to(device, None if blocks else dtype))
+            else packer(parts if len(parts) > 1 else weight.to(device, None if keep else dtype))
         )
 
         def unpacked():
@@ -355,6 +362,8 @@ class Linear:
         self.low_bias = None if bias is None else bias.to(device, dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.round_to is not None:
+            x = x.to(self.round_to)
         if self.packed is not None and (self.onednn is None or x.shape[0] < ONEDNN_MIN_ROWS):
             out = self.kernel(
                 x if x.dtype == torch.float32 else x.float(),

@@ -10,7 +10,7 @@ from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel, packed_rows_kernel
-from kvfence.model.linear import Linear
+from kvfence.model.linear import PANEL, Linear
 from kvfence.model.loader import Weights, blocks_to_float
 
 
@@ -140,10 +140,17 @@ class LlamaModel:
         self.scale = d**-0.5
         self.q_size = config.num_heads * d
         # With every kernel at hand and fp32 layers, a decode step's layers run in one C++ call
-        # (which has no per-head Q/K norms).
+        # (which has no per-head Q/K norms, nor gguf-int8's rounding of x for 16-bit weights).
         bind_layers = (
             decode_layers(self.device.type)
-            if kernel is not None and dtype == torch.float32 and not config.qk_norm
+            if kernel is not None
+            and dtype == torch.float32
+            and not config.qk_norm
+            and not any(
+                lin.round_to
+                for layer in self.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            )
             else None
         )
         self.decode_layers = None
@@ -180,16 +187,22 @@ class LlamaModel:
 
     def _lookup(self, weights: Weights, head: Linear, packed_rows) -> tuple:
         """The embedding the model keeps (None: the output layer's) and its lookup, ids -> fp32
-        rows. A tied embedding in blocks is read from the output layer's packed blocks, so the
-        matrix is held once; other blocks stay blocks, and a lookup decodes only its rows."""
+        rows. A tied embedding in blocks or 16 bits is read from the output layer's packed
+        weights, so the matrix is held once; other blocks stay blocks, and a lookup decodes only
+        its rows; other 16-bit tables stay 16-bit."""
         embed, hidden, packed = weights.embed, self.config.hidden_size, head.packed
+        tied = weights.lm_head is embed and packed is not None
+        if embed.dtype in (torch.float16, torch.bfloat16):
+            if tied and packed.dtype == embed.dtype:  # row i: column i % 32 of panel i // 32
+                return None, lambda ids: packed[ids // PANEL, :, ids % PANEL].float()
+            table = embed.to(self.device)  # kept 16-bit, widened exactly as looked up
+            return table, lambda ids: table[ids].float()
         if embed.dtype != torch.uint8:
             table = embed.to(self.device, torch.float32)
             return table, lambda ids: table[ids]
         if (
-            weights.lm_head is embed
+            tied
             and packed_rows
-            and packed is not None
             and packed.dtype in (torch.uint8, torch.int8)  # blocks, for fp32 or 8-bit activations
         ):
             return None, lambda ids: packed_rows(packed, ids, hidden)

@@ -97,9 +97,10 @@ def resolve_model_path(model: str | None) -> Path:
 def load_model(
     path: Path, progress: bool = True, keep_blocks: bool = False, int8: bool = False, reader=None
 ) -> tuple[ModelConfig, Weights]:
-    """keep_blocks: the linear weights and embedding of a type in BLOCK_BYTES stay in the GGUF
-    file's quantized blocks (see gguf_blocks), the others become fp32. int8: for 8-bit
-    activations, which need every linear weight in INT8_BLOCK_TYPES. reader: the file's
+    """keep_blocks: the linear weights and embedding of a type in KEPT_TYPES stay as the GGUF
+    file stores them (blocks: see gguf_blocks; F16, BF16: 16-bit tensors), the others become
+    fp32. int8: for 8-bit activations, which need every linear weight in INT8_BLOCK_TYPES or
+    HALF_TYPES. reader: the file's
     open_gguf where the caller has it (parsing a large vocabulary takes seconds); the load
     spends it, dropping its vocabulary."""
     if path.is_file():
@@ -327,7 +328,8 @@ def _gguf_tensor_names(config: ModelConfig) -> set[str]:
 
 
 # The GGUF types kept in blocks, and the bytes of one of their blocks (32 weights; 256 for the
-# K-quants). The others (F16, BF16, ...) are dequantized to fp32 at load.
+# K-quants). F16 and BF16 stay 16-bit floats (HALF_TYPES); the others (IQ*, Q2_K, ...) are
+# dequantized to fp32 at load.
 BLOCK_BYTES = {
     "Q4_0": 18,
     "Q4_1": 20,
@@ -343,6 +345,9 @@ BLOCK_BYTES = {
 SUPER_BLOCK_TYPES = {BLOCK_BYTES[kind]: kind for kind in ("Q4_K", "Q5_K", "Q6_K")}
 # Those 8-bit activations (gguf-int8) run on: rows rounded per 32 k, or per 256 for K-quants
 INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Kept as torch's 16-bit floats, which the kernel widens exactly (gguf-int8: x rounded to them)
+HALF_TYPES = {"F16": torch.float16, "BF16": torch.bfloat16}
+KEPT_TYPES = (*BLOCK_BYTES, *HALF_TYPES)  # what --dtype gguf and gguf-int8 keep as stored
 SUB_BLOCK = 16  # weights per scale in gguf_blocks: Q6_K's, the finest of BLOCK_BYTES
 SUB_BLOCK_BYTES = 8 + SUB_BLOCK  # fp32 scale and offset, then a code a weight
 
@@ -478,12 +483,12 @@ def open_gguf(path: Path):
 
 
 def has_gguf_blocks(reader) -> bool:
-    """Whether a GGUF file (its reader) has linear weights in blocks that --dtype gguf keeps."""
+    """Whether a GGUF file (its reader) has linear weights that --dtype gguf keeps as stored."""
     try:
         _, weights = _gguf_linear_tensors(reader, gguf_model_config(reader))
     except Exception:  # an unsupported model fails with a clear error when it is loaded
         return False
-    return any(t.tensor_type.name in BLOCK_BYTES for t in weights)
+    return any(t.tensor_type.name in KEPT_TYPES for t in weights)
 
 
 def _size(n_bytes: int) -> str:
@@ -503,10 +508,10 @@ def _summary(group: list) -> str:
 
 
 def _kept_line(path: Path, tensors: list, kept: set[str]) -> str:
-    """One line on what stayed in blocks and what was dequantized, bytes per GGUF type: of
+    """One line on what stayed as stored and what was dequantized, bytes per GGUF type: of
     `tensors`, the linear weights and the embedding."""
     rest = [t for t in tensors if t.name not in kept]
-    line = f"{path.name}: weights kept in blocks: "
+    line = f"{path.name}: weights kept as stored: "
     line += _summary([t for t in tensors if t.name in kept]) or "none"
     if rest:
         fp32 = sum(t.n_elements for t in rest) * 4
@@ -539,7 +544,7 @@ def _check_fits(path: Path, tensors: list, kept: set[str]) -> None:
             f"{path.name} would take about {_size(need)} once loaded, {_size(fp32)} of it "
             f"dequantized to float32 ({_summary(rest) or 'none'}), more than the "
             f"{_size(available)} of memory available: use --dtype gguf on a file whose types "
-            f"stay in blocks ({', '.join(BLOCK_BYTES)}), or a smaller model"
+            f"stay as stored ({', '.join(KEPT_TYPES)}), or a smaller model"
         )
 
 
@@ -568,32 +573,41 @@ def _by_rows(data: np.ndarray, convert) -> np.ndarray:
 
 
 def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8: bool) -> set[str]:
-    """The linear weights --dtype gguf (int8: gguf-int8) keeps in blocks; a fused matrix
-    (Q/K/V, gate/up) is all blocks or all fp32."""
+    """The linear weights --dtype gguf (int8: gguf-int8) keeps as stored; a fused matrix
+    (Q/K/V, gate/up) is all blocks, all of one 16-bit type, or all fp32."""
     kept = set()
     for t in linear_tensors:
         kind = t.tensor_type.name
-        if int8 and kind not in INT8_BLOCK_TYPES:
+        if int8 and kind not in (*INT8_BLOCK_TYPES, *HALF_TYPES):
             raise ModelLoadError(
-                f"--dtype gguf-int8 runs on {', '.join(INT8_BLOCK_TYPES)} blocks; {t.name} is "
-                f"{kind} in {path.name}: use --dtype gguf, which computes it exactly"
+                f"--dtype gguf-int8 runs on {', '.join(INT8_BLOCK_TYPES)} blocks and "
+                f"{', '.join(HALF_TYPES)}; {t.name} is {kind} in {path.name}: use --dtype "
+                f"gguf, which computes it exactly"
             )
-        if kind in BLOCK_BYTES:
+        if kind in KEPT_TYPES:
             kept.add(t.name)
     by_name = {t.name: t.tensor_type.name for t in linear_tensors}
     for i in range(config.num_layers):
         for group in (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up")):
             names = {f"blk.{i}.{n}.weight" for n in group}
-            if not names <= kept:
+            kinds = {by_name[n] for n in names}
+            half_mix = bool(kinds & set(HALF_TYPES)) and len(kinds) > 1
+            if not names <= kept or half_mix:
                 kept -= names
-            k_quants = {by_name[n] in SUPER_BLOCK_TYPES.values() for n in names}
-            if int8 and len(k_quants) > 1:
-                raise ModelLoadError(
-                    f"--dtype gguf-int8 fuses {', '.join(sorted(names))} into one matrix, and "
-                    f"rounds rows per 256 k for K-quants but per 32 for other types; these are "
-                    f"{', '.join(sorted({by_name[n] for n in names}))} in {path.name}: use "
-                    f"--dtype gguf"
-                )
+            if not int8:
+                continue
+            if not names <= kept:
+                why = "which it runs in one type"
+            elif len({kind in SUPER_BLOCK_TYPES.values() for kind in kinds}) > 1:
+                why = "and rounds rows per 256 k for K-quants but per 32 for other types"
+            elif "Q8_0" in kinds and kinds & {"Q4_1", "Q5_1"}:
+                why = "and runs Q8_0 as signed codes, which leave no room for Q4_1/Q5_1's offsets"
+            else:
+                continue
+            raise ModelLoadError(
+                f"--dtype gguf-int8 fuses {', '.join(sorted(names))} into one matrix, {why}; "
+                f"these are {', '.join(sorted(kinds))} in {path.name}: use --dtype gguf"
+            )
     return kept
 
 
@@ -614,7 +628,7 @@ def _load_gguf(
     by_name = {t.name: t for t in reader.tensors}
     kept = _kept_in_blocks(path, config, linear_tensors, int8) if keep_blocks else set()
     embed = by_name["token_embd.weight"]
-    if keep_blocks and embed.tensor_type.name in BLOCK_BYTES:
+    if keep_blocks and embed.tensor_type.name in KEPT_TYPES:
         kept.add(embed.name)  # the lookup decodes only the rows it takes
     tensors = list({t.name: t for t in [*linear_tensors, embed]}.values())
     if keep_blocks:  # a warning where weights of a type it does not run are dequantized
@@ -631,8 +645,13 @@ def _load_gguf(
         return torch.from_numpy(np.require(values, np.float32, ["W"]))
 
     def read(name: str) -> torch.Tensor:
-        t = by_name[name]
-        weight = gguf_blocks(t.data, t.tensor_type.name) if name in kept else fp32(name)
+        t, kind = by_name[name], by_name[name].tensor_type.name
+        if name not in kept:
+            weight = fp32(name)
+        elif kind in HALF_TYPES:  # gguf-py reads BF16 as raw bytes
+            weight = torch.from_numpy(np.array(t.data).view(np.int16)).view(HALF_TYPES[kind])
+        else:
+            weight = gguf_blocks(t.data, kind)
         _drop_mapped_pages(reader, t)
         return weight
 

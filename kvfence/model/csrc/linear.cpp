@@ -2,7 +2,7 @@
 //
 // out[m, n] = x[m] . w[n] + bias[n], fp32 activations. The weights come packed in panels
 // of 32 rows (model/linear.py packs them), so one panel is read front to back:
-//   fp32 or bf16: [N/32, K, 32]; bf16 is widened exactly to fp32.
+//   fp32, bf16 or fp16: [N/32, K, 32]; bf16 and fp16 are widened exactly to fp32.
 //   8-bit blocks: [N/32, K/32, 1280] bytes: per 32 k, the 32 rows' scales and offsets (fp32),
 //                 then 32 k x 32 rows of codes (uint8).
 //   4-bit blocks: [N/32, K/32, 640] bytes: per 32 k, the 32 rows' scales and offsets (fp16),
@@ -51,6 +51,7 @@ inline Vec load(const at::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+inline Vec load(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline Vec load_u8(const uint8_t* p) {
@@ -99,6 +100,7 @@ inline Vec load(const at::BFloat16* p) {
   const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
 }
+inline Vec load(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec load_fp16(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i widen_u8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
@@ -1059,14 +1061,16 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
       run_blocks(Q4K{}) || run_blocks(Q5K{}) || run_blocks(Q6K{}))
     return out;
   TORCH_CHECK(!blocks, "weights: blocks of [N/32, K/32, 1536, 1280, 768 or 640] or [N/32, K/256, 6784, 6720 or 4736] bytes");
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel, "weights: [N/32, K, 32] (fp32, bf16) for this K");
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel, "weights: [N/32, K, 32] (fp32, bf16, fp16) for this K");
   if (M == 0) return out;
   if (packed.scalar_type() == torch::kFloat32)
     run(xc.data_ptr<float>(), packed.data_ptr<float>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else if (packed.scalar_type() == torch::kBFloat16)
     run(xc.data_ptr<float>(), packed.data_ptr<at::BFloat16>(), panel_size, b, out.data_ptr<float>(), M, N, K);
+  else if (packed.scalar_type() == torch::kHalf)
+    run(xc.data_ptr<float>(), packed.data_ptr<at::Half>(), panel_size, b, out.data_ptr<float>(), M, N, K);
   else
-    TORCH_CHECK(false, "weights: fp32, bf16 or blocks (uint8)");
+    TORCH_CHECK(false, "weights: fp32, bf16, fp16 or blocks (uint8)");
   return out;
 }
 
