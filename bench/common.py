@@ -116,7 +116,8 @@ double dot_chains(int64_t iterations, int threads) {
   using ivec = __m256i;
   auto bytes = [](int b) { return _mm256_set1_epi8(static_cast<char>(b)); };
   auto dot = [](ivec acc, ivec u, ivec s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+    const ivec pairs = _mm256_maddubs_epi16(u, s);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   };
   auto first = [](ivec v) { return _mm_cvtsi128_si32(_mm256_castsi256_si128(v)); };
 #endif
@@ -137,12 +138,16 @@ double dot_chains(int64_t iterations, int threads) {
   (void)keep;
   return 2.0 * Chains * sizeof(ivec) * iterations * threads;
 }
+template <int Chains>
+double loop(bool int8, int64_t iterations, int threads) {
+  return int8 ? dot_chains<Chains>(iterations, threads) : fma_chains<Chains>(iterations, threads);
+}
 double peak_loop(bool int8, int64_t iterations, int threads, int chains) {
   switch (chains) {
-    case 8: return int8 ? dot_chains<8>(iterations, threads) : fma_chains<8>(iterations, threads);
-    case 10: return int8 ? dot_chains<10>(iterations, threads) : fma_chains<10>(iterations, threads);
-    case 12: return int8 ? dot_chains<12>(iterations, threads) : fma_chains<12>(iterations, threads);
-    case 14: return int8 ? dot_chains<14>(iterations, threads) : fma_chains<14>(iterations, threads);
+    case 8: return loop<8>(int8, iterations, threads);
+    case 10: return loop<10>(int8, iterations, threads);
+    case 12: return loop<12>(int8, iterations, threads);
+    case 14: return loop<14>(int8, iterations, threads);
     default: TORCH_CHECK(false, "chains must be 8, 10, 12 or 14");
   }
 }
@@ -195,19 +200,18 @@ def int8_peak_gops(repeats: int = 5) -> float | None:
     return _loop_peak(True, repeats)
 
 
-def checked_fma_peak(fma_gflops: float | None, gemm_gflops: float) -> float | None:
-    """The FMA peak, or None where it reads below a GEMM measured in the same run: no
-    program runs faster than the cores' peak, so such a reading is a faulty measurement,
-    and every "% of the FMA peak" computed from it would be wrong."""
-    if fma_gflops is not None and fma_gflops < gemm_gflops:
+def checked_peak(peak: float | None, measured: float, name: str, by: str) -> float | None:
+    """A peak (`name`, fp32 FMA or int8), or None where it reads below a rate measured in the
+    same run (`by`): no program runs faster than the cores' peak, so such a reading is a
+    faulty measurement, and every "% of the peak" computed from it would be wrong."""
+    if peak is not None and peak < measured:
         print(
-            f"fp32 FMA peak refused: it read {fma_gflops:.1f} GFLOP/s, below the "
-            f"{gemm_gflops:.1f} GFLOP/s torch's GEMM reached in this run; no percentages of "
-            f"it are printed",
+            f"{name} peak refused: it read {peak:.1f} G/s, below the {measured:.1f} G/s "
+            f"{by} reached in this run; no percentages of it are printed",
             file=sys.stderr,
         )
         return None
-    return fma_gflops
+    return peak
 
 
 def read_bandwidth_gbs(megabytes: int = 400, repeats: int = 10, device: str = "cpu") -> float:

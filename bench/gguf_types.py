@@ -6,15 +6,23 @@ One weight of Llama-3.2-1B's MLP shape (8192 x 2048 by default) in each type: qu
 gguf-py where it can, else (K-quants) random blocks with a small fp16 scale, which run the
 same instructions. For 1 and 64 rows of activations, medians over rounds that take each
 type in turn, exact (--dtype gguf) and, where it runs, with 8-bit activations (gguf-int8):
-GFLOP/s, the packed weight's bytes per weight and GB/s streamed, the ratio to the fp32
-kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
+GFLOP/s and its share of the cores' peak (fp32 FMA, or int8 products for gguf-int8; both
+measured in this run), the packed weight's bytes per weight and GB/s streamed, the ratio to
+the fp32 kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
+F16 is the 16-bit panels F16 and BF16 tensors stay in.
 """
 
 import argparse
 import statistics
 import time
 
-from common import machine_line, matmul_peak_gflops
+from common import (
+    checked_peak,
+    fma_peak_gflops,
+    int8_peak_gops,
+    machine_line,
+    matmul_peak_gflops,
+)
 
 # isort: split
 import numpy as np
@@ -59,7 +67,8 @@ def main() -> None:
         if kind in INT8_BLOCK_TYPES:  # --dtype gguf-int8's layout and arithmetic
             weights[f"{kind} int8"] = pack_for_int8(gguf_blocks(raw, kind))
         if kind == "Q4_0":  # fp32 on the same values, for the ratio
-            weights["F32"] = pack(torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0)))
+            fp32 = torch.from_numpy(dequantize(raw, GGMLQuantizationType.Q4_0))
+            weights["F32"], weights["F16"] = pack(fp32), pack(fp32.half())
     xs = {m: torch.randn(m, k) for m in rows}
     times = {(kind, m): [] for kind in weights for m in rows}
     for _ in range(args.rounds):
@@ -70,12 +79,22 @@ def main() -> None:
                 for _ in range(args.repeats):
                     kernel(x, packed, n, None)
                 times[kind, m].append((time.perf_counter() - t) / args.repeats)
+    rates = {key: 2 * key[1] * n * k / statistics.median(t) / 1e9 for key, t in times.items()}
     peak = matmul_peak_gflops()
+    best_fp = max([peak] + [r for (kind, _), r in rates.items() if "int8" not in kind])
+    best_int8 = max(r for (kind, _), r in rates.items() if "int8" in kind)
+    peaks = {
+        False: checked_peak(fma_peak_gflops(), best_fp, "fp32 FMA", "the kernel or torch's GEMM"),
+        True: checked_peak(int8_peak_gops(), best_int8, "int8", "the int8 kernel"),
+    }
     print(f"machine: {machine_line()}; weight {n} x {k}; medians of {args.rounds} rounds")
     print(f"fp32 matmul peak measured (torch GEMM): {peak:.1f} GFLOP/s")
+    for int8, name in ((False, "fp32 FMA"), (True, "int8 product")):
+        if peaks[int8]:
+            print(f"{name} peak of the cores (independent chains): {peaks[int8]:.1f} G/s")
     print(
         "| type | bytes/weight | "
-        + " | ".join(f"{m} rows: GFLOP/s, GB/s, x fp32" for m in rows)
+        + " | ".join(f"{m} rows: GFLOP/s (% of peak), GB/s, x fp32" for m in rows)
         + " |"
     )
     print("|---|---|" + "---|" * len(rows))
@@ -85,8 +104,10 @@ def main() -> None:
         for m in rows:
             s = statistics.median(times[kind, m])
             fp32 = statistics.median(times["F32", m])
+            of_peak = peaks["int8" in kind]
+            share = f" ({100 * rates[kind, m] / of_peak:.0f}%)" if of_peak else ""
             cells.append(
-                f"{2 * m * n * k / s / 1e9:.1f}, {per_weight * n * k / s / 1e9:.1f}, {fp32 / s:.2f}"
+                f"{rates[kind, m]:.1f}{share}, {per_weight * n * k / s / 1e9:.1f}, {fp32 / s:.2f}"
             )
         print(f"| {kind} | {per_weight:.3f} | " + " | ".join(cells) + " |")
 

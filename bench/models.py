@@ -31,7 +31,7 @@ from pathlib import Path
 
 from batched import kvfence_figures, run_llamacpp
 
-from common import machine_line
+from common import flops_per_token, int8_peak_gops, machine_line
 from kvfence import LLM
 from kvfence.model.loader import default_model_path, llama3_rope_factors
 
@@ -198,7 +198,7 @@ def main() -> None:
             args.llamacpp_python, default_model_path(), files["SmolLM2-135M, Q4_K_M"], args.threads
         )
 
-    report = {"machine": machine_line(), "files": {}}
+    report = {"machine": machine_line(), "files": {}, "int8_peak_gops": int8_peak_gops()}
     for label, path in files.items():
         loads = {
             f"kvfence {dtype}": load_figures(
@@ -229,20 +229,24 @@ def main() -> None:
                 args.llama_batched_bench, path, args.threads, [1, 16], 128, 128
             )
             rounds.append(figures)
+        cfg = next(iter(llms.values())).engine.model_config
         del llms
         report["files"][label] = {
             "path": str(path),
             "file_mib": path.stat().st_size / 2**20,
             "load": loads,
             "rounds": rounds,
+            # the 16 requests' linear layers: 128 prompt tokens each through the layers, and
+            # 128 new tokens through the layers and the output layer
+            "ops_16": 16 * 128 * (flops_per_token(cfg, False) + flops_per_token(cfg)),
         }
-        print_file(label, report["files"][label])
+        print_file(label, report["files"][label], report["int8_peak_gops"])
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     print(f"machine: {report['machine']}; {args.rounds} rounds, medians")
 
 
-def print_file(label: str, result: dict) -> None:
+def print_file(label: str, result: dict, int8_peak: float | None) -> None:
     rounds, file_mib = result["rounds"], result["file_mib"]
     print(f"\n{label}: {Path(result['path']).name}, {file_mib:.0f} MiB")
     for tool, load in result["load"].items():
@@ -261,6 +265,13 @@ def print_file(label: str, result: dict) -> None:
             ratio = statistics.median(x / y for x, y in zip(ours, theirs))
             line += f"; {tool} {statistics.median(ours):.1f} tok/s, {ratio:.2f}x"
         print(line)
+    if int8_peak:  # what the cores' int8 rate allows, were every product at that rate
+        ceiling = 16 * 128 / (result["ops_16"] / (int8_peak * 1e9))
+        theirs = statistics.median(r["llama.cpp"][16]["output_tok_s"] for r in rounds)
+        print(
+            f"  16 at once at the int8 peak ({int8_peak:.0f} G/s, linear layers only): "
+            f"{ceiling:.1f} tok/s, {ceiling / theirs:.2f}x llama.cpp"
+        )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from common import (
-    checked_fma_peak,
+    checked_peak,
     export_safetensors,
     flops_per_token,
     fma_peak_gflops,
@@ -404,7 +404,7 @@ def main() -> None:
         peaks += decode_fractions(llm, report[name], peak_of)
     peak = statistics.median(peaks)
     report["matmul_peak_gflops"], report["matmul_peaks_gflops"] = peak, peaks
-    report["fma_peak_gflops"] = checked_fma_peak(fma_peak, max(peaks))
+    report["fma_peak_gflops"] = checked_peak(fma_peak, max(peaks), "fp32 FMA", "torch's GEMM")
     if any(llm.engine.config.dtype == "bfloat16" for llm in engines.values()):
         report["matmul_peak_gflops_bfloat16"] = peak_of(torch.bfloat16)
     print_report(report, engines, workload_flops(cfg, workloads["mixed"]))

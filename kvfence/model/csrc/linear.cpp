@@ -477,6 +477,7 @@ using IVec = __m512i;
 using FVec = __m512;
 constexpr int kIntLanes = 16;
 inline IVec load_codes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline void store_codes(uint8_t* p, IVec v) { _mm512_storeu_si512(p, v); }
 inline IVec bytes(int8_t b) { return _mm512_set1_epi8(b); }
 inline IVec low_nibbles(IVec v) { return _mm512_and_si512(v, bytes(0x0F)); }
 inline IVec high_nibbles(IVec v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), bytes(0x0F)); }
@@ -490,11 +491,13 @@ inline FVec fset(float x) { return _mm512_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
+inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
 #else
 using IVec = __m256i;
 using FVec = __m256;
 constexpr int kIntLanes = 8;
 inline IVec load_codes(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline void store_codes(uint8_t* p, IVec v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
 inline IVec bytes(int8_t b) { return _mm256_set1_epi8(b); }
 inline IVec low_nibbles(IVec v) { return _mm256_and_si256(v, bytes(0x0F)); }
 inline IVec high_nibbles(IVec v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), bytes(0x0F)); }
@@ -508,6 +511,7 @@ inline FVec fset(float x) { return _mm256_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
+inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 constexpr int kIntVecs = kPanel / kIntLanes;  // vectors per panel: 2 or 4
 
@@ -558,6 +562,14 @@ inline IVec add32(IVec a, IVec b) { return _mm512_add_epi32(a, b); }
 inline IVec sub32(IVec a, IVec b) { return _mm512_sub_epi32(a, b); }
 inline IVec mul32(IVec a, IVec b) { return _mm512_mullo_epi32(a, b); }
 inline IVec or_bytes(IVec a, IVec b) { return _mm512_or_si512(a, b); }
+// Bytes m0[j] and m1[j] as the int16 pair of lane j.
+inline IVec min_pairs(const uint8_t* m0, const uint8_t* m1) {
+  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m0));
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m1));
+  return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
+// sums + each lane's int16 pair times the pair in w, summed: exact, the products are small.
+inline IVec add_pair_products(IVec sums, IVec pairs, int32_t w) { return _mm512_dpwssd_epi32(sums, pairs, words(w)); }
 constexpr int kKRows = 4;
 #else
 inline IVec plane_bytes(const uint8_t* bits, int v, int8_t value) {
@@ -584,6 +596,14 @@ inline IVec add32(IVec a, IVec b) { return _mm256_add_epi32(a, b); }
 inline IVec sub32(IVec a, IVec b) { return _mm256_sub_epi32(a, b); }
 inline IVec mul32(IVec a, IVec b) { return _mm256_mullo_epi32(a, b); }
 inline IVec or_bytes(IVec a, IVec b) { return _mm256_or_si256(a, b); }
+inline IVec min_pairs(const uint8_t* m0, const uint8_t* m1) {
+  const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m0));
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(m1));
+  return _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, b));
+}
+inline IVec add_pair_products(IVec sums, IVec pairs, int32_t w) {
+  return _mm256_add_epi32(sums, _mm256_madd_epi16(pairs, words(w)));
+}
 constexpr int kKRows = 2;  // the sums and accumulators of more rows spill from 16 registers
 #endif
 
@@ -751,13 +771,14 @@ struct KLayout {
 struct Q8KRows {
   const int8_t* codes;    // [M, K]
   const float* d;         // [M, K/256]
-  const int32_t* sums32;  // [M, K/32]: each 32 k's sum of codes (Q4_K and Q5_K's mins)
+  const int32_t* pairs;   // [M, K/64]: each 32 k's sum of codes (Q4_K and Q5_K's mins), two a
+                          // 32-bit word as int16 (at most 32 x 127): low, then high half
   const int32_t* sums16;  // [M, K/16]: 32 x each 16 k's sum of codes (Q6_K's offset)
   int64_t K;
 };
 
 // x [M, K] -> Q8_K rows, as llama.cpp's quantize_row_q8_K rounds them.
-void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, int32_t* sums32,
+void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, float* d, int32_t* pairs,
                        int32_t* sums16) {
   const int64_t supers = K / kSuper;
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
@@ -785,21 +806,62 @@ void quantize_rows_q8k(const float* x, int64_t M, int64_t K, int8_t* codes, floa
         d[b] = 1.f / iscale;
       }
       for (int g = 0; g < kSuper / 16; ++g) sums16[b * (kSuper / 16) + g] = 32 * sum16[g];
-      for (int s = 0; s < kSuper / kBlock; ++s) sums32[b * (kSuper / kBlock) + s] = sum16[2 * s] + sum16[2 * s + 1];
+      for (int p = 0; p < kSuper / kBlock / 2; ++p) {
+        const int low = sum16[4 * p] + sum16[4 * p + 1], high = sum16[4 * p + 2] + sum16[4 * p + 3];
+        pairs[b * (kSuper / kBlock / 2) + p] =
+            static_cast<int32_t>(static_cast<uint32_t>(high) << 16 | static_cast<uint16_t>(low));
+      }
     }
   });
 }
 
-// Rows x[0..MR) times the vectors v0..v0+NV of one panel of type kKind; writes the columns
-// below `cols` to out[0..MR).
-template <int MR, int NV, int kKind>
-void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, float* out, int64_t N, int64_t cols) {
+// Vector v's codes of step h (8 k) of a sub-block as bytes: lo holds k 0-3 of the step, hi
+// k 4-7, each code's low nibble with its high bits (kKind planes) put back.
+template <int kKind>
+inline void k_codes(const uint8_t* codes, int h, int v, IVec& lo, IVec& hi) {
+  using L = KLayout<kKind>;
+  const IVec raw = load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * v);
+  lo = low_nibbles(raw);
+  hi = high_nibbles(raw);
+  for (int bit = 0; bit < kKind; ++bit) {
+    const uint8_t* lo_bits = codes + L::kCodes + ((2 * h) * kKind + bit) * L::kPlane;
+    lo = or_bytes(lo, plane_bytes(lo_bits, v, static_cast<int8_t>(16 << bit)));
+    hi = or_bytes(hi, plane_bytes(lo_bits + kKind * L::kPlane, v, static_cast<int8_t>(16 << bit)));
+  }
+}
+
+// Bytes of a sub-block's codes spread by spread_k_super: per step and vector, lo and hi.
+constexpr int64_t kSpreadSub = 4 * kIntVecs * 2 * sizeof(IVec);
+
+// A super-block's codes spread to bytes (8 KB), for the row tiles of a large batch to share:
+// spreading Q5_K and Q6_K's high bits takes about as many instructions as a tile's products.
+template <int kKind>
+void spread_k_super(const uint8_t* super, uint8_t* out) {
+  using L = KLayout<kKind>;
+  for (int s = 0; s < kSuper / kBlock; ++s) {
+    const uint8_t* codes = super + L::kHeader + s * L::kSubBytes + L::kScales;
+    for (int h = 0; h < 4; ++h)
+      for (int v = 0; v < kIntVecs; ++v, out += 2 * sizeof(IVec)) {
+        IVec lo, hi;
+        k_codes<kKind>(codes, h, v, lo, hi);
+        store_codes(out, lo);
+        store_codes(out + sizeof(IVec), hi);
+      }
+  }
+}
+
+// Rows x[0..MR) times the vectors v0..v0+NV of one panel of type kKind, over its super-blocks
+// [sb0, sb1): adds them to sums[i * kPanel + column] in order, so that a row's outputs take
+// the same steps split or not. kSpread: those super-blocks' codes come from spread_k_super.
+template <int MR, int NV, int kKind, bool kSpread>
+void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v0, int64_t sb0, int64_t sb1,
+            float* sums) {
   using L = KLayout<kKind>;
   const int64_t supers = x.K / kSuper;
   FVec acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
-  for (int64_t sb = 0; sb < supers; ++sb) {
+    for (int v = 0; v < NV; ++v) acc[i][v] = fload(sums + i * kPanel + kIntLanes * (v0 + v));
+  for (int64_t sb = sb0; sb < sb1; ++sb) {
     const uint8_t* super = panel + sb * L::kBytes;
     prefetch_to_l2(super, L::kHeader);
     IVec sumi[MR][NV];
@@ -808,7 +870,7 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, f
     for (int s = 0; s < kSuper / kBlock; ++s) {
       const uint8_t* sub = super + L::kHeader + s * L::kSubBytes;
       prefetch_to_l2(sub, L::kSubBytes);
-      const uint8_t *codes = sub + L::kScales, *planes = codes + L::kCodes;
+      const uint8_t* codes = sub + L::kScales;
       const int8_t* a = x.codes + sb * kSuper + s * kBlock;
       // Q6_K's scales are per 16 k: two halves of 2 steps of 8 k; the others one of 4.
       constexpr int kHalves = L::kMins ? 1 : 2, kSteps = 4 / kHalves;
@@ -820,13 +882,13 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, f
         for (int h = half * kSteps; h < (half + 1) * kSteps; ++h) {
           IVec lo[NV], hi[NV];
           for (int v = 0; v < NV; ++v) {
-            const IVec raw = load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * (v0 + v));
-            lo[v] = low_nibbles(raw);
-            hi[v] = high_nibbles(raw);
-            for (int bit = 0; bit < kKind; ++bit) {
-              const uint8_t* lo_bits = planes + ((2 * h) * kKind + bit) * L::kPlane;
-              lo[v] = or_bytes(lo[v], plane_bytes(lo_bits, v0 + v, static_cast<int8_t>(16 << bit)));
-              hi[v] = or_bytes(hi[v], plane_bytes(lo_bits + kKind * L::kPlane, v0 + v, static_cast<int8_t>(16 << bit)));
+            if constexpr (kSpread) {
+              const uint8_t* at = spread + ((sb - sb0) * (kSuper / kBlock) + s) * kSpreadSub +
+                                  (h * kIntVecs + v0 + v) * 2 * sizeof(IVec);
+              lo[v] = load_codes(at);
+              hi[v] = load_codes(at + sizeof(IVec));
+            } else {
+              k_codes<kKind>(codes, h, v0 + v, lo[v], hi[v]);
             }
           }
           for (int i = 0; i < MR; ++i) {
@@ -847,40 +909,62 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, int v0, const float* bias, f
     for (int v = 0; v < NV; ++v) {
       const int64_t j = kIntLanes * (v0 + v);
       const FVec dw = fp16s(super + 2 * j);
+      IVec mins[kSuper / 64];  // sub-blocks 2p and 2p + 1's mins of the columns, paired
+      if constexpr (L::kMins)
+        for (int p = 0; p < kSuper / 64; ++p) {
+          const uint8_t* m = super + L::kHeader + 2 * p * L::kSubBytes + kPanel + j;
+          mins[p] = min_pairs(m, m + L::kSubBytes);
+        }
       for (int i = 0; i < MR; ++i) {
         const float dx = x.d[i * supers + sb];
         acc[i][v] = ffma(to_float(sumi[i][v]), fmul(dw, fset(dx)), acc[i][v]);
         if constexpr (L::kMins) {
-          const int32_t* sums = x.sums32 + i * (x.K / kBlock) + sb * (kSuper / kBlock);
+          const int32_t* pairs = x.pairs + i * (x.K / 64) + sb * (kSuper / 64);
           IVec summ = izero();
-          for (int s = 0; s < kSuper / kBlock; ++s) {
-            const uint8_t* mins = super + L::kHeader + s * L::kSubBytes + kPanel + j;
-            summ = add32(summ, mul32(widen_scales(mins, false), words(sums[s])));
-          }
+          for (int p = 0; p < kSuper / 64; ++p) summ = add_pair_products(summ, mins[p], pairs[p]);
           acc[i][v] = ffma(to_float(summ), fmul(fp16s(super + 2 * (kPanel + j)), fset(-dx)), acc[i][v]);
         }
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t j = kIntLanes * (v0 + v);
-    float lanes[MR][kIntLanes];
-    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
-    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
-      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
-  }
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) fstore(sums + i * kPanel + kIntLanes * (v0 + v), acc[i][v]);
 }
 
+// Rows x[0..M) times one panel of type kKind, into out[0..M) from its first output on.
 template <int kKind, int... MR>
-void k_panel(int rows, std::integer_sequence<int, MR...>, const Q8KRows& x, const uint8_t* panel, const float* bias,
+void k_panel(std::integer_sequence<int, MR...>, const Q8KRows& x, int64_t M, const uint8_t* panel, const float* bias,
              float* out, int64_t N, int64_t cols) {
-  using Fn = void (*)(const Q8KRows&, const uint8_t*, int, const float*, float*, int64_t, int64_t);
-  static constexpr Fn table[] = {k_tile<MR + 1, kTileVecs, kKind>...};
-  if (rows == 1) {  // the whole panel at once: independent sums to overlap
-    k_tile<1, kIntVecs, kKind>(x, panel, 0, bias, out, N, cols);
-    return;
+  using Fn = void (*)(const Q8KRows&, const uint8_t*, const uint8_t*, int, int64_t, int64_t, float*);
+  static constexpr Fn direct[] = {k_tile<MR + 1, kTileVecs, kKind, false>...};
+  static constexpr Fn spreads[] = {k_tile<MR + 1, kTileVecs, kKind, true>...};
+  const int64_t supers = x.K / kSuper;
+  // Kept between calls (no allocation per layer): the rows' sums over the panel's outputs, and
+  // the panel's codes spread.
+  thread_local std::vector<float> sums;
+  thread_local std::vector<uint8_t> spread;
+  sums.assign(M * kPanel, 0.f);
+  auto tiles = [&](const Fn* table, int64_t sb0, int64_t sb1) {
+    for (int64_t m = 0; m < M; m += kKRows) {
+      const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.pairs + m * (x.K / 64),
+                         x.sums16 + m * (x.K / 16), x.K};
+      const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
+      for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
+        table[n - 1](rows, panel, spread.data(), v0, sb0, sb1, sums.data() + m * kPanel);
+    }
+  };
+  if (M == 1) {  // the whole panel at once: independent sums to overlap
+    k_tile<1, kIntVecs, kKind, false>(x, panel, nullptr, 0, 0, supers, sums.data());
+  } else if (M <= kKRows || kKind == 0) {  // Q4_K's nibbles take fewer instructions than the loads of spread codes
+    tiles(direct, 0, supers);
+  } else {  // spread once for every row tile
+    spread.resize(x.K / kBlock * kSpreadSub);
+    for (int64_t sb = 0; sb < supers; ++sb)
+      spread_k_super<kKind>(panel + sb * KLayout<kKind>::kBytes, spread.data() + sb * (kSuper / kBlock) * kSpreadSub);
+    tiles(spreads, 0, supers);
   }
-  for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs) table[rows - 1](x, panel, v0, bias, out, N, cols);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t c = 0; c < cols; ++c) out[i * N + c] = sums[i * kPanel + c] + (bias ? bias[c] : 0.f);
 }
 
 void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* out, int64_t M, int64_t N) {
@@ -888,21 +972,14 @@ void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* 
   at::parallel_for(0, table[0], 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
-      for (int64_t m = 0; m < M; m += kKRows) {
-        const int64_t supers = x.K / kSuper;
-        const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.sums32 + m * (x.K / kBlock), x.sums16 + m * (x.K / 16),
-                           x.K};
-        const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
-        const auto seq = std::make_integer_sequence<int, kKRows>{};
-        const float* b = bias ? bias + e[2] : nullptr;
-        float* o = out + m * N + e[2];
-        if (e[1] == 0)
-          k_panel<0>(n, seq, rows, blob + e[0], b, o, N, e[3]);
-        else if (e[1] == 1)
-          k_panel<1>(n, seq, rows, blob + e[0], b, o, N, e[3]);
-        else
-          k_panel<2>(n, seq, rows, blob + e[0], b, o, N, e[3]);
-      }
+      const auto seq = std::make_integer_sequence<int, kKRows>{};
+      const float* b = bias ? bias + e[2] : nullptr;
+      if (e[1] == 0)
+        k_panel<0>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
+      else if (e[1] == 1)
+        k_panel<1>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
+      else
+        k_panel<2>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
     }
   });
 }
@@ -1011,8 +1088,8 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     const int64_t supers = K / kSuper;
     codes.resize(M * K);
     scales.resize(M * supers);
-    sums.resize(M * (K / kBlock) + M * (K / 16));
-    int32_t* sums16 = sums.data() + M * (K / kBlock);
+    sums.resize(M * (K / 64) + M * (K / 16));
+    int32_t* sums16 = sums.data() + M * (K / 64);
     quantize_rows_q8k(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), sums.data(), sums16);
     const Q8KRows rows{codes.data(), scales.data(), sums.data(), sums16, K};
     run_k_int(rows, blob, b, out.data_ptr<float>(), M, N);
