@@ -838,6 +838,7 @@ constexpr int64_t kSpreadSub = 4 * kIntVecs * 2 * sizeof(IVec);
 template <int kKind>
 void spread_k_super(const uint8_t* super, uint8_t* out) {
   using L = KLayout<kKind>;
+  prefetch_to_l2(super, L::kBytes);
   for (int s = 0; s < kSuper / kBlock; ++s) {
     const uint8_t* codes = super + L::kHeader + s * L::kSubBytes + L::kScales;
     for (int h = 0; h < 4; ++h)
