@@ -123,12 +123,13 @@ double dot_chains(int64_t iterations, int threads) {
 #endif
 #pragma omp parallel num_threads(threads)
   {
-    ivec acc[Chains], u = bytes(3), s = bytes(-2);
+    ivec acc[Chains], s = bytes(-2);
     for (int i = 0; i < Chains; ++i) acc[i] = bytes(i);
     for (int64_t n = 0; n < iterations; ++n) {
-      asm volatile("" : "+v"(u), "+v"(s));  // as if new codes came: nothing to hoist
+      // Each chain's own bytes as the unsigned codes: products shared between chains would be
+      // computed once (AVX2's vpmaddubsw does not take the sums).
 #pragma GCC unroll 16
-      for (int i = 0; i < Chains; ++i) acc[i] = dot(acc[i], u, s);
+      for (int i = 0; i < Chains; ++i) acc[i] = dot(acc[i], acc[i], s);
     }
     int total = 0;
     for (int i = 0; i < Chains; ++i) total += first(acc[i]);
@@ -155,16 +156,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("peak_loop", &peak_loop); }
 """
 
 
-def _loop_peak(int8: bool, repeats: int) -> float | None:
+def _loop_peak(int8: bool, repeats: int, march: str) -> float | None:
     """The best median rate (G operations/s) of PEAK_LOOPS' loop over 8 to 14 chains, on
     every thread (torch's thread count, each its own OpenMP thread), compiled here with
-    -march=native; None where it cannot be compiled."""
+    -march={march}; None where it cannot be compiled."""
     from torch.utils.cpp_extension import load_inline
 
-    flags = ["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"]
+    flags = ["-O3", f"-march={march}", "-ffp-contract=fast", "-fopenmp"]
     try:
         module = load_inline(
-            "kvfence_bench_peak_loops",
+            f"kvfence_bench_peak_loops_{march.replace('-', '_')}",
             PEAK_LOOPS,
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
@@ -185,19 +186,21 @@ def _loop_peak(int8: bool, repeats: int) -> float | None:
     return best
 
 
-def fma_peak_gflops(repeats: int = 5) -> float | None:
+def fma_peak_gflops(repeats: int = 5, march: str = "native") -> float | None:
     """The cores' own fp32 peak: independent chains of vector fused multiply-adds, the widest
-    the CPU has. The chain count that covers FMA latency times pipes differs between cores,
-    so the best of 8 to 14 counts. On AMD CPUs MKL's GEMM, which matmul_peak_gflops times,
-    reaches well under half of it. None where the loop cannot be compiled."""
-    return _loop_peak(False, repeats)
+    the CPU has (march x86-64-v3: AVX2's). The chain count that covers FMA latency times
+    pipes differs between cores, so the best of 8 to 14 counts. On AMD CPUs MKL's GEMM, which
+    matmul_peak_gflops times, reaches well under half of it. None where the loop cannot be
+    compiled."""
+    return _loop_peak(False, repeats, march)
 
 
-def int8_peak_gops(repeats: int = 5) -> float | None:
+def int8_peak_gops(repeats: int = 5, march: str = "native") -> float | None:
     """The cores' peak on the int8 products --dtype gguf-int8 computes with (vpdpbusd with
-    AVX-512 VNNI, else AVX2's vpmaddubsw + vpmaddwd + vpaddd), in G operations/s, two a byte
-    product, as GFLOP/s count an FMA; None where the loop cannot be compiled."""
-    return _loop_peak(True, repeats)
+    AVX-512 VNNI, else, or with march x86-64-v3, AVX2's vpmaddubsw + vpmaddwd + vpaddd), in
+    G operations/s, two a byte product, as GFLOP/s count an FMA; None where the loop cannot
+    be compiled."""
+    return _loop_peak(True, repeats, march)
 
 
 def checked_peak(peak: float | None, measured: float, name: str, by: str) -> float | None:

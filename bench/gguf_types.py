@@ -9,7 +9,8 @@ type in turn, exact (--dtype gguf) and, where it runs, with 8-bit activations (g
 GFLOP/s and its share of the cores' peak (fp32 FMA, or int8 products for gguf-int8; both
 measured in this run), the packed weight's bytes per weight and GB/s streamed, the ratio to
 the fp32 kernel on the same weights, and the matmul peak torch's GEMM reaches in this run.
-F16 is the 16-bit panels F16 and BF16 tensors stay in.
+F16 is the 16-bit panels F16 and BF16 tensors stay in. --variant avx2 times the AVX2 build
+of the kernel (what AVX2-only CPUs run) against the cores' AVX2 peaks.
 """
 
 import argparse
@@ -30,7 +31,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from kvfence.model.kernels import linear_kernel
+from kvfence.model.kernels import build, cpu_variant
 from kvfence.model.linear import pack, pack_for_int8
 from kvfence.model.loader import BLOCK_BYTES, INT8_BLOCK_TYPES, gguf_blocks
 
@@ -53,12 +54,18 @@ def main() -> None:
     ap.add_argument("--shape", default="8192x2048", help="output x input features")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=20, help="calls timed per round")
+    ap.add_argument(
+        "--variant", choices=["avx512", "avx2"], default=None, help="kernel build (this CPU's)"
+    )
     args = ap.parse_args()
     n, k = map(int, args.shape.split("x"))
     rows = [int(r) for r in args.rows.split(",")]
-    kernel = linear_kernel("cpu")
-    if kernel is None:
+    variant = args.variant or cpu_variant()
+    module = build("linear", variant) if variant else None
+    if module is None:
         raise SystemExit("the linear kernel is not installed here: nothing to measure")
+    kernel = module.packed_linear
+    march = "x86-64-v3" if variant == "avx2" else "native"
     rng = np.random.default_rng(0)
     weights = {}
     for kind in BLOCK_BYTES:
@@ -84,10 +91,13 @@ def main() -> None:
     best_fp = max([peak] + [r for (kind, _), r in rates.items() if "int8" not in kind])
     best_int8 = max(r for (kind, _), r in rates.items() if "int8" in kind)
     peaks = {
-        False: checked_peak(fma_peak_gflops(), best_fp, "fp32 FMA", "the kernel or torch's GEMM"),
-        True: checked_peak(int8_peak_gops(), best_int8, "int8", "the int8 kernel"),
+        False: checked_peak(fma_peak_gflops(march=march), best_fp, "fp32 FMA", "a GEMM"),
+        True: checked_peak(int8_peak_gops(march=march), best_int8, "int8", "the int8 kernel"),
     }
-    print(f"machine: {machine_line()}; weight {n} x {k}; medians of {args.rounds} rounds")
+    print(
+        f"machine: {machine_line()}; kernel {variant}; weight {n} x {k}; "
+        f"medians of {args.rounds} rounds"
+    )
     print(f"fp32 matmul peak measured (torch GEMM): {peak:.1f} GFLOP/s")
     for int8, name in ((False, "fp32 FMA"), (True, "int8 product")):
         if peaks[int8]:
