@@ -59,24 +59,39 @@ params.nthread = int(sys.argv[3])
 sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
 """
 
-# Each prints {"load_s", "rss_mib"}; the clock starts once the libraries are imported. The
-# peak is this process's own (VmHWM): ru_maxrss would count the parent's pages at the fork.
+# Each prints {"load_s", "rss_mib", "import_mib"}; the clock starts once the libraries are
+# imported, and import_mib is the RSS then. The peak is this process's own (VmHWM):
+# ru_maxrss would count the parent's pages at the fork. kvfence adds the bytes of the weights
+# its model keeps (kept_mib).
 KVFENCE_LOAD = """
 import json, sys, time
 from kvfence import LLM
+import transformers.tokenization_utils_tokenizers  # the tokenizer's library, with torch
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) / 1024
+imported = status("VmRSS")
 t = time.perf_counter()
 path, threads, dtype = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-LLM(path, num_threads=threads, max_model_len=1024, num_kv_pages=64, dtype=dtype)
-rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
-print(json.dumps({"load_s": time.perf_counter() - t, "rss_mib": rss}))
+llm = LLM(path, num_threads=threads, max_model_len=1024, num_kv_pages=64, dtype=dtype)
+seconds = time.perf_counter() - t
+model = llm.engine.runner.model
+kept = sum(lin.packed.nbytes for lin in [model.lm_head] + [
+    getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")
+]) + (0 if model.embed is None else model.embed.nbytes)
+print(json.dumps({
+    "load_s": seconds, "rss_mib": status("VmHWM"), "import_mib": imported, "kept_mib": kept / 2**20
+}))
 """
 LLAMACPP_LOAD = """
 import json, sys, time
 from llama_cpp import Llama
+def status(key):
+    return int(open("/proc/self/status").read().split(key + ":")[1].split()[0]) / 1024
+imported = status("VmRSS")
 t = time.perf_counter()
 Llama(sys.argv[1], n_threads=int(sys.argv[2]), n_ctx=1024, verbose=False)
-rss = int(open("/proc/self/status").read().split("VmHWM:")[1].split()[0]) / 1024
-print(json.dumps({"load_s": time.perf_counter() - t, "rss_mib": rss}))
+seconds = time.perf_counter() - t
+print(json.dumps({"load_s": seconds, "rss_mib": status("VmHWM"), "import_mib": imported}))
 """
 
 
@@ -250,9 +265,11 @@ def print_file(label: str, result: dict, int8_peak: float | None) -> None:
     rounds, file_mib = result["rounds"], result["file_mib"]
     print(f"\n{label}: {Path(result['path']).name}, {file_mib:.0f} MiB")
     for tool, load in result["load"].items():
+        kept = f", weights kept {load['kept_mib']:.0f} MiB" if "kept_mib" in load else ""
         print(
             f"  {tool:9s} load {load['load_s']:.1f} s, peak RSS {load['rss_mib']:.0f} MiB "
-            f"({load['rss_mib'] / file_mib:.2f}x the file)"
+            f"({load['rss_mib'] / file_mib:.2f}x the file; {load['import_mib']:.0f} MiB of it "
+            f"before the load, with the libraries imported{kept})"
         )
     for b, figure, name in (
         (1, "generation_tok_s", "single stream"),
