@@ -274,8 +274,8 @@ def test_gguf_int8_refuses_fused_matrices_it_has_no_one_arithmetic_for(
 
 
 def test_bf16_safetensors_reach_the_model_without_a_float32_copy(tiny_llama_dir, tmp_path):
-    """A bf16 checkpoint's tensors leave the loader as stored, each converted once by the
-    layer that keeps it: --dtype bfloat16 holds them as they are, float32 widens them."""
+    """A bf16 checkpoint's tensors leave the loader as stored and stay bf16 in the layers:
+    --dtype bfloat16 computes with them, float32 widens each exactly as it reads it."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -291,9 +291,9 @@ def test_bf16_safetensors_reach_the_model_without_a_float32_copy(tiny_llama_dir,
     layer = next(iter(weights.layers))
     assert layer.qkv.dtype == layer.down.dtype == weights.embed.dtype == torch.bfloat16
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
-    bf16, fp32 = (
-        LLM(str(bf16_dir), dtype=dtype).generate(["hello there"], params)[0].outputs[0]
-        for dtype in ("bfloat16", "float32")
-    )
+    llms = [LLM(str(bf16_dir), dtype=dtype) for dtype in ("bfloat16", "float32")]
+    fp32_layer = llms[1].engine.runner.model.layers[0]
+    assert fp32_layer.down.packed.dtype == fp32_layer.qkv.packed.dtype == torch.bfloat16
+    bf16, fp32 = (llm.generate(["hello there"], params)[0].outputs[0] for llm in llms)
     assert bf16.token_ids == fp32.token_ids
     assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(bf16.logprobs, fp32.logprobs)) < 0.1
