@@ -491,7 +491,6 @@ inline FVec fset(float x) { return _mm512_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm512_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm512_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec v) { _mm512_storeu_ps(p, v); }
-inline FVec fload(const float* p) { return _mm512_loadu_ps(p); }
 #else
 using IVec = __m256i;
 using FVec = __m256;
@@ -511,7 +510,6 @@ inline FVec fset(float x) { return _mm256_set1_ps(x); }
 inline FVec fmul(FVec a, FVec b) { return _mm256_mul_ps(a, b); }
 inline FVec ffma(FVec a, FVec b, FVec c) { return _mm256_fmadd_ps(a, b, c); }
 inline void fstore(float* p, FVec v) { _mm256_storeu_ps(p, v); }
-inline FVec fload(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 constexpr int kIntVecs = kPanel / kIntLanes;  // vectors per panel: 2 or 4
 
@@ -833,7 +831,7 @@ inline void k_codes(const uint8_t* codes, int h, int v, IVec& lo, IVec& hi) {
 // Bytes of a sub-block's codes spread by spread_k_super: per step and vector, lo and hi.
 constexpr int64_t kSpreadSub = 4 * kIntVecs * 2 * sizeof(IVec);
 
-// A super-block's codes spread to bytes (8 KB), for the row tiles of a large batch to share:
+// A super-block's codes spread to bytes (8 KB), for the row tiles of a batch to share:
 // spreading Q5_K and Q6_K's high bits takes about as many instructions as a tile's products.
 template <int kKind>
 void spread_k_super(const uint8_t* super, uint8_t* out) {
@@ -851,18 +849,18 @@ void spread_k_super(const uint8_t* super, uint8_t* out) {
   }
 }
 
-// Rows x[0..MR) times the vectors v0..v0+NV of one panel of type kKind, over its super-blocks
-// [sb0, sb1): adds them to sums[i * kPanel + column] in order, so that a row's outputs take
-// the same steps split or not. kSpread: those super-blocks' codes come from spread_k_super.
+// Rows x[0..MR) times the vectors v0..v0+NV of one panel of type kKind; writes the columns
+// below `cols` to out[0..MR). kSpread: the codes come from `spread`, the panel's super-blocks
+// as spread_k_super gives them, one after the other.
 template <int MR, int NV, int kKind, bool kSpread>
-void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v0, int64_t sb0, int64_t sb1,
-            float* sums) {
+void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v0, const float* bias, float* out,
+            int64_t N, int64_t cols) {
   using L = KLayout<kKind>;
   const int64_t supers = x.K / kSuper;
   FVec acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = fload(sums + i * kPanel + kIntLanes * (v0 + v));
-  for (int64_t sb = sb0; sb < sb1; ++sb) {
+    for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
+  for (int64_t sb = 0; sb < supers; ++sb) {
     const uint8_t* super = panel + sb * L::kBytes;
     prefetch_to_l2(super, L::kHeader);
     IVec sumi[MR][NV];
@@ -884,7 +882,7 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v
           IVec lo[NV], hi[NV];
           for (int v = 0; v < NV; ++v) {
             if constexpr (kSpread) {
-              const uint8_t* at = spread + ((sb - sb0) * (kSuper / kBlock) + s) * kSpreadSub +
+              const uint8_t* at = spread + (sb * (kSuper / kBlock) + s) * kSpreadSub +
                                   (h * kIntVecs + v0 + v) * 2 * sizeof(IVec);
               lo[v] = load_codes(at);
               hi[v] = load_codes(at + sizeof(IVec));
@@ -928,44 +926,42 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v
       }
     }
   }
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) fstore(sums + i * kPanel + kIntLanes * (v0 + v), acc[i][v]);
+  for (int v = 0; v < NV; ++v) {
+    const int64_t j = kIntLanes * (v0 + v);
+    float lanes[MR][kIntLanes];
+    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
+    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
+      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
+  }
 }
 
 // Rows x[0..M) times one panel of type kKind, into out[0..M) from its first output on.
 template <int kKind, int... MR>
 void k_panel(std::integer_sequence<int, MR...>, const Q8KRows& x, int64_t M, const uint8_t* panel, const float* bias,
              float* out, int64_t N, int64_t cols) {
-  using Fn = void (*)(const Q8KRows&, const uint8_t*, const uint8_t*, int, int64_t, int64_t, float*);
+  using Fn = void (*)(const Q8KRows&, const uint8_t*, const uint8_t*, int, const float*, float*, int64_t, int64_t);
   static constexpr Fn direct[] = {k_tile<MR + 1, kTileVecs, kKind, false>...};
   static constexpr Fn spreads[] = {k_tile<MR + 1, kTileVecs, kKind, true>...};
-  const int64_t supers = x.K / kSuper;
-  // Kept between calls (no allocation per layer): the rows' sums over the panel's outputs, and
-  // the panel's codes spread.
-  thread_local std::vector<float> sums;
-  thread_local std::vector<uint8_t> spread;
-  sums.assign(M * kPanel, 0.f);
-  auto tiles = [&](const Fn* table, int64_t sb0, int64_t sb1) {
-    for (int64_t m = 0; m < M; m += kKRows) {
-      const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.pairs + m * (x.K / 64),
-                         x.sums16 + m * (x.K / 16), x.K};
-      const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
-      for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
-        table[n - 1](rows, panel, spread.data(), v0, sb0, sb1, sums.data() + m * kPanel);
-    }
-  };
   if (M == 1) {  // the whole panel at once: independent sums to overlap
-    k_tile<1, kIntVecs, kKind, false>(x, panel, nullptr, 0, 0, supers, sums.data());
-  } else if (M <= kKRows || kKind == 0) {  // Q4_K's nibbles take fewer instructions than the loads of spread codes
-    tiles(direct, 0, supers);
-  } else {  // spread once for every row tile
+    k_tile<1, kIntVecs, kKind, false>(x, panel, nullptr, 0, bias, out, N, cols);
+    return;
+  }
+  // Spread once for every row tile, but for Q4_K, whose nibbles take fewer instructions than
+  // the loads of spread codes. Kept between calls: no allocation per layer.
+  thread_local std::vector<uint8_t> spread;
+  const bool spreading = M > kKRows && kKind > 0;
+  const int64_t supers = x.K / kSuper;
+  if (spreading) {
     spread.resize(x.K / kBlock * kSpreadSub);
     for (int64_t sb = 0; sb < supers; ++sb)
       spread_k_super<kKind>(panel + sb * KLayout<kKind>::kBytes, spread.data() + sb * (kSuper / kBlock) * kSpreadSub);
-    tiles(spreads, 0, supers);
   }
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t c = 0; c < cols; ++c) out[i * N + c] = sums[i * kPanel + c] + (bias ? bias[c] : 0.f);
+  for (int64_t m = 0; m < M; m += kKRows) {
+    const Q8KRows rows{x.codes + m * x.K, x.d + m * supers, x.pairs + m * (x.K / 64), x.sums16 + m * (x.K / 16), x.K};
+    const int n = static_cast<int>(std::min<int64_t>(kKRows, M - m));
+    for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
+      (spreading ? spreads : direct)[n - 1](rows, panel, spread.data(), v0, bias, out + m * N, N, cols);
+  }
 }
 
 void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* out, int64_t M, int64_t N) {
