@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.model.loader import (
+    HALF_TYPES,
     SUB_BLOCK_BYTES,
     SUPER_BLOCK_TYPES,
     blocks_to_float,
@@ -330,7 +331,7 @@ class Linear:
         self.dtype = dtype
         self.kernel = kernel
         blocks = parts[0].dtype == torch.uint8
-        half = parts[0].dtype in (torch.float16, torch.bfloat16)
+        half = parts[0].dtype in HALF_TYPES.values()
         if len(parts) > 1 and not int8_activations:
             raise ValueError("a matrix in parts runs with 8-bit activations only")
         if blocks and kernel is None:

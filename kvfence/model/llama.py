@@ -11,7 +11,7 @@ from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel, packed_rows_kernel
 from kvfence.model.linear import PANEL, Linear
-from kvfence.model.loader import Weights, blocks_to_float
+from kvfence.model.loader import HALF_TYPES, Weights, blocks_to_float
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -192,7 +192,7 @@ class LlamaModel:
         its rows; other 16-bit tables stay 16-bit."""
         embed, hidden, packed = weights.embed, self.config.hidden_size, head.packed
         tied = weights.lm_head is embed and packed is not None
-        if embed.dtype in (torch.float16, torch.bfloat16):
+        if embed.dtype in HALF_TYPES.values():
             if tied and packed.dtype == embed.dtype:  # row i: column i % 32 of panel i // 32
                 return None, lambda ids: packed[ids // PANEL, :, ids % PANEL].float()
             table = embed.to(self.device)  # kept 16-bit, widened exactly as looked up
