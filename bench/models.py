@@ -10,8 +10,9 @@ llama-cpp-python==0.3.36`. llama-batched-bench is built as bench/batched.py says
 
 The 1B model: Llama-3.2-1B's config (16 layers 2048 wide, MLP 8192, 32 heads of 64 and 8
 KV heads, tied embeddings, llama3 rope scaling written as a rope_freqs tensor), random F16
-weights, SmolLM2's tokenizer padded to 128256 ids with reserved control tokens; llama.cpp
-quantizes it to Q4_K_M. Throughput does not depend on the weights' values.
+weights, SmolLM2's tokenizer padded as Llama 3's is laid out: ordinary tokens up to 128,000
+ids, then 256 reserved control tokens (it keeps SmolLM2's 49k merges, where Llama 3 has
+280k); llama.cpp quantizes it to Q4_K_M. Throughput does not depend on the weights' values.
 
 Per file, each in a fresh process: load time and peak RSS (VmHWM) of kvfence (a 64-page
 pool) in each --dtypes mode (gguf: exact; gguf-int8: llama.cpp's arithmetic) and of
@@ -49,6 +50,8 @@ LLAMA_3_2_1B = {
     "rope.freq_base": 500000.0,
     "rope.scaling": (32.0, 1.0, 4.0, 8192),  # factor, low and high frequency factors, context
 }
+
+RESERVED = 256  # Llama 3's control tokens, after its 128,000 ordinary ones
 
 QUANTIZE = """
 import sys, llama_cpp
@@ -122,11 +125,14 @@ def write_random_llama(path: Path, shapes: dict, tokenizer_gguf: Path, seed: int
             continue
         value = field.contents()
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type"):
-            pad = vocab - len(value)
+            # Llama 3's layout: ordinary tokens up to 128,000, then 256 reserved control tokens
+            ordinary = vocab - RESERVED - len(value)
             value += (
-                [f"<|reserved_special_token_{i}|>" for i in range(pad)]
+                [f"<|padding_token_{i}|>" for i in range(ordinary)]
+                + [f"<|reserved_special_token_{i}|>" for i in range(RESERVED)]
                 if key.endswith("tokens")
-                else [int(gguf.TokenType.CONTROL)] * pad
+                else [int(gguf.TokenType.NORMAL)] * ordinary
+                + [int(gguf.TokenType.CONTROL)] * RESERVED
             )
         w.add_key_value(
             key, value, field.types[0], field.types[-1] if len(field.types) > 1 else None
@@ -265,7 +271,13 @@ def print_file(label: str, result: dict, int8_peak: float | None) -> None:
     rounds, file_mib = result["rounds"], result["file_mib"]
     print(f"\n{label}: {Path(result['path']).name}, {file_mib:.0f} MiB")
     for tool, load in result["load"].items():
-        kept = f", weights kept {load['kept_mib']:.0f} MiB" if "kept_mib" in load else ""
+        kept = ""
+        if "kept_mib" in load:  # what the load itself added, against the weights it kept
+            added = load["rss_mib"] - load["import_mib"]
+            kept = (
+                f"; weights kept {load['kept_mib']:.0f} MiB, the load added {added:.0f} MiB, "
+                f"{added / load['kept_mib']:.2f}x them"
+            )
         print(
             f"  {tool:9s} load {load['load_s']:.1f} s, peak RSS {load['rss_mib']:.0f} MiB "
             f"({load['rss_mib'] / file_mib:.2f}x the file; {load['import_mib']:.0f} MiB of it "

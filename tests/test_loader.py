@@ -6,13 +6,14 @@ import logging
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
 from helpers import save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
-from kvfence.model.loader import HALF_TYPES, ModelLoadError, llama3_rope_factors
+from kvfence.model.loader import HALF_TYPES, ModelLoadError, llama3_rope_factors, open_gguf
 
 
 def edited_copy(src, dst, **edits):
@@ -297,3 +298,36 @@ def test_bf16_safetensors_reach_the_model_without_a_float32_copy(tiny_llama_dir,
     bf16, fp32 = (llm.generate(["hello there"], params)[0].outputs[0] for llm in llms)
     assert bf16.token_ids == fp32.token_ids
     assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(bf16.logprobs, fp32.logprobs)) < 0.1
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_the_gguf_reader_reads_every_field_as_gguf_py_does(tmp_path, endian, default_model_path):
+    """open_gguf reads arrays in one pass; each field must come out as gguf-py's own reader
+    gives it, for strings, numbers and nested arrays, in either byte order."""
+    path = tmp_path / "fields.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    writer.add_array("test.tokens", ["a", "", "héllo wörld", "<|eot|>"] * 50)
+    writer.add_array("test.scores", [0.5 * i for i in range(300)])
+    writer.add_array("test.types", list(range(-5, 5)))
+    writer.add_array("test.nested", [[1, 2], [3, 4, 5]])
+    writer.add_array("test.empty", [])
+    writer.add_string("test.after", "the fields after the arrays")
+    writer.add_tensor("x", np.arange(8, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        write()
+    writer.write_tensors_to_file()
+    writer.close()
+    for file in (path, default_model_path):
+        stock, ours = gguf.GGUFReader(str(file)), open_gguf(file)
+        assert list(ours.fields) == list(stock.fields)
+        for name, field in stock.fields.items():
+            got = ours.fields[name]
+            assert (got.types, got.contents(), len(got.data)) == (
+                field.types,
+                field.contents(),
+                len(field.data),
+            ), name
+            if field.types[0] == gguf.GGUFValueType.ARRAY and len(field.data) > 3:
+                assert got.contents(3) == field.contents(3), name
+        assert ours.data_offset == stock.data_offset
+        assert [t.data.tobytes() for t in ours.tensors] == [t.data.tobytes() for t in stock.tensors]

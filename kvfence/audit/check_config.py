@@ -54,6 +54,7 @@ def load_model_config(path: str | None) -> ModelConfig:
         default_model_path,
         gguf_model_config,
         hf_model_config,
+        open_gguf,
     )
 
     p = Path(path) if path else default_model_path()
@@ -61,9 +62,7 @@ def load_model_config(path: str | None) -> ModelConfig:
         if p.is_dir():
             p = p / "config.json"
         if p.suffix == ".gguf":
-            from gguf import GGUFReader
-
-            return gguf_model_config(GGUFReader(str(p)))
+            return gguf_model_config(open_gguf(p))
         return hf_model_config(json.loads(p.read_text()))
     except (OSError, ValueError, KeyError, ModelLoadError) as e:
         raise ConfigInputError(f"cannot read the model's shape from {p}: {e}") from e

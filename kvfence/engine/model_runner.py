@@ -1,7 +1,6 @@
 """Loads the model; turns a scheduled batch into tensors, checks ownership, and runs the
 model once."""
 
-import ctypes
 import logging
 from pathlib import Path
 from typing import Callable
@@ -18,7 +17,13 @@ from kvfence.model.attention import AttentionMetadata, PrefillChunk
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_kernel, linear_kernel
 from kvfence.model.llama import LlamaModel
-from kvfence.model.loader import has_gguf_blocks, load_model, open_gguf, resolve_model_path
+from kvfence.model.loader import (
+    has_gguf_blocks,
+    load_model,
+    open_gguf,
+    resolve_model_path,
+    return_freed_heap,
+)
 
 log = logging.getLogger("kvfence.sentinel")
 
@@ -47,17 +52,8 @@ def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig
     model = LlamaModel(
         model_config, weights, config.device, dtype, int8_activations=config.dtype == "gguf-int8"
     )
-    _return_freed_heap()
+    return_freed_heap()  # the last layer's parts
     return path, model_config, model
-
-
-def _return_freed_heap() -> None:
-    """Hands the memory the load's temporaries freed back to the system: glibc keeps freed
-    heap pages in the process (about 200 MB after a 1B model) unless asked."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to ask
-        pass
 
 
 class ModelRunner:
