@@ -15,7 +15,8 @@ ids, then 256 reserved control tokens (it keeps SmolLM2's 49k merges, where Llam
 280k); llama.cpp quantizes it to Q4_K_M. Throughput does not depend on the weights' values.
 
 Per file, each in a fresh process: load time and peak RSS (VmHWM) of kvfence (a 64-page
-pool) in each --dtypes mode (gguf: exact; gguf-int8: llama.cpp's arithmetic) and of
+pool) in each --dtypes mode (gguf: exact; gguf-int8: llama.cpp's arithmetic), its tokenizer
+already converted from the file's metadata and cached as at any start after the first, and of
 llama.cpp (llama-cpp-python, the file memory-mapped), against the file's size. Then
 bench/batched.py's scenario, 128 prompt and 128 new tokens a request: generation tok/s of a
 single stream, and output tok/s (prefill included) of 16 requests at once, every engine,
@@ -35,6 +36,7 @@ from batched import kvfence_figures, run_llamacpp
 from common import flops_per_token, int8_peak_gops, machine_line
 from kvfence import LLM
 from kvfence.model.loader import default_model_path, llama3_rope_factors
+from kvfence.model.tokenizer import load_tokenizer
 
 # isort: split
 import numpy as np
@@ -221,6 +223,7 @@ def main() -> None:
 
     report = {"machine": machine_line(), "files": {}, "int8_peak_gops": int8_peak_gops()}
     for label, path in files.items():
+        load_tokenizer(path)  # the first start converts it from the file's metadata, then caches
         loads = {
             f"kvfence {dtype}": load_figures(
                 sys.executable, KVFENCE_LOAD, path, args.threads, dtype

@@ -118,7 +118,8 @@ def _panel_fields(blocks: torch.Tensor) -> tuple:
     d and dmin [p, n, 2 bytes, 32], scales [p, n, 8, 32] (Q6_K: [p, n, 8, 2, 32]), mins
     [p, n, 8, 32] and codes [p, n, 8 sub-blocks, 32 k, 32]."""
     kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
-    raw = F.pad(blocks, (0, 0, 0, 0, 0, -blocks.shape[0] % PANEL)).numpy()
+    pad = -blocks.shape[0] % PANEL
+    raw = (F.pad(blocks, (0, 0, 0, 0, 0, pad)) if pad else blocks).numpy()
     p, n = raw.shape[0] // PANEL, raw.shape[1]
 
     def per_panel(t: np.ndarray | None, *inner: int) -> np.ndarray | None:
@@ -184,17 +185,25 @@ def _k_int8_panels(blocks: torch.Tensor) -> np.ndarray:
     kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
     if mins is not None:
         scales = np.stack([scales, mins], axis=3)  # [p, n, sub-block, 2, row]
-    # codes [p, n, sub, k = 8h + 4 half + t, row = 8g + j] -> [p, n, sub, h, half, g, j, t]
-    codes = codes.reshape(p, n, 8, 4, 2, 4, 4, 8).transpose(0, 1, 2, 3, 4, 6, 7, 5)
-    low = codes & 15
-    bits = K_INT8_TYPES.index(kind)
-    planes = [(codes >> (4 + b) & 1).reshape(p, n, 8, 4, 2, 1, 128) for b in range(bits)]
+    # codes [p, n, sub, k = 8h + 4 half + t, row = 8g + j] -> [p, n, sub, h, half, g, j, t],
+    # moved as uint32, four k (t) at a time: the rows' k are contiguous in the file's blocks
+    quads = np.moveaxis(codes, 3, 4).view(np.uint32).reshape(p, n, 8, 4, 8, 4, 2)
+    quads = np.ascontiguousarray(quads.transpose(0, 1, 2, 5, 6, 3, 4))
+    # then worked on 8 codes at a time, a uint64's bytes: no shift below crosses a byte
+    codes = quads.view(np.uint64).reshape(p, n, 8, 4, 2, 128 // 8)
+    low = codes & np.uint64(0x0F0F0F0F0F0F0F0F)
     sub_blocks = [
         scales.reshape(p, n, 8, -1),
-        (low[:, :, :, :, 0] | low[:, :, :, :, 1] << 4).reshape(p, n, 8, -1),
+        (low[:, :, :, :, 0] | low[:, :, :, :, 1] << np.uint64(4))
+        .view(np.uint8)
+        .reshape(p, n, 8, -1),
     ]
-    if planes:
-        packed = np.packbits(np.concatenate(planes, axis=5), axis=6, bitorder="little")
+    bits = K_INT8_TYPES.index(kind)
+    if bits:
+        planes = np.stack(
+            [codes >> np.uint64(4 + b) & np.uint64(0x0101010101010101) for b in range(bits)], axis=5
+        )  # [p, n, sub, h, half, bit, 128 bytes of 0 or 1]
+        packed = np.packbits(planes.view(np.uint8), axis=6, bitorder="little")
         sub_blocks.append(packed.reshape(p, n, 8, -1))
     body = np.concatenate(sub_blocks, axis=3).reshape(p, n, -1)
     return np.concatenate([_fp16_rows(d, dmin), body], axis=2).reshape(p, -1)

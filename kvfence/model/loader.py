@@ -384,21 +384,29 @@ def _k_quant_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scale.reshape(-1), (-(_fp16(raw, 2) * m.astype(np.float32))).reshape(-1)
 
 
+def _bytes_of_8(raw: np.ndarray) -> np.ndarray:
+    """uint8 [R, 8n] as uint64 [R, n]: shifts and masks on 8 codes at once, none of which
+    carries a bit across a byte."""
+    return np.ascontiguousarray(raw).view(np.uint64)
+
+
 def k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
     """128 bytes of K-quant codes -> [8 sub-blocks, 32] low nibbles: sub-block 2i is the low
     nibbles of bytes 32i..32i+31, sub-block 2i+1 their high nibbles."""
-    qs = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (qs & 15).reshape(-1, 32)
+    qs = _bytes_of_8(qs).reshape(-1, 4, 1, 4) >> np.array([0, 4], np.uint64).reshape(1, 1, 2, 1)
+    return (qs & np.uint64(0x0F0F0F0F0F0F0F0F)).view(np.uint8).reshape(-1, 32)
 
 
 def q6_k_codes(raw: np.ndarray) -> np.ndarray:
     """Q6_K's 256 6-bit codes a block, in gguf's order: the low 4 bits from 128 bytes of
     nibbles (as k_quant_nibbles, in halves of 64 bytes), the high 2 from 64 bytes of pairs."""
-    low = raw[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    high = raw[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+    words = _bytes_of_8(raw[:, :192])
+    low = words[:, :16].reshape(-1, 2, 1, 8) >> np.array([0, 4], np.uint64).reshape(1, 1, 2, 1)
+    high = words[:, 16:].reshape(-1, 2, 1, 4) >> np.array([0, 2, 4, 6], np.uint64).reshape(
         1, 1, 4, 1
     )
-    return (low & 15).reshape(-1, 256) | ((high & 3).reshape(-1, 256) << 4)
+    low, high = low & np.uint64(0x0F0F0F0F0F0F0F0F), high & np.uint64(0x0303030303030303)
+    return (low.reshape(-1, 32) | high.reshape(-1, 32) << np.uint64(4)).view(np.uint8)
 
 
 def gguf_blocks(data: np.ndarray, kind: str) -> torch.Tensor:
