@@ -331,3 +331,20 @@ def test_the_gguf_reader_reads_every_field_as_gguf_py_does(tmp_path, endian, def
                 assert got.contents(3) == field.contents(3), name
         assert ours.data_offset == stock.data_offset
         assert [t.data.tobytes() for t in ours.tensors] == [t.data.tobytes() for t in stock.tensors]
+
+
+@pytest.mark.parametrize("values", [list(range(1000)), ["token"] * 500], ids=["numbers", "strings"])
+def test_a_gguf_array_longer_than_the_file_is_refused(tmp_path, values):
+    path = tmp_path / "long.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_array("test.values", values)
+    writer.add_tensor("x", np.arange(8, dtype=np.float32))
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file):
+        write()
+    writer.write_tensors_to_file()
+    writer.close()
+    raw = path.read_bytes()
+    count_at = raw.index(b"test.values") + len("test.values") + 8  # past value and item types
+    path.write_bytes(raw[:count_at] + (10**9).to_bytes(8, "little") + raw[count_at + 8 :])
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        open_gguf(path)

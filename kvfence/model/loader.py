@@ -522,6 +522,10 @@ def open_gguf(path: Path):
                 at += values.nbytes
             else:  # arrays of arrays
                 return super()._get_field_parts(offset, raw_type)
+            if at > len(data) or len(items) != count[0]:
+                raise ValueError(
+                    f"an array of {count[0]} {kind.name} runs past the end of the file"
+                )
             indices = list(range(2, 2 + len(items)))
             return at - offset, [item_type, count, *items], indices, [GGUFValueType.ARRAY, kind]
 
