@@ -605,6 +605,18 @@ inline IVec add_pair_products(IVec sums, IVec pairs, int32_t w) {
 constexpr int kKRows = 2;  // the sums and accumulators of more rows spill from 16 registers
 #endif
 
+// A tile's sums, vectors v0..v0+NV of MR rows, plus the bias into the columns below `cols`.
+template <int MR, int NV>
+void store_tile(const FVec (&acc)[MR][NV], int v0, const float* bias, float* out, int64_t N, int64_t cols) {
+  for (int v = 0; v < NV; ++v) {
+    const int64_t j = kIntLanes * (v0 + v);
+    float lanes[MR][kIntLanes];
+    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
+    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
+      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
+  }
+}
+
 // Rows x[0..MR) times the vectors v0..v0+NV of one panel (kIntLanes columns each); writes the
 // columns below `cols` to out[0..MR).
 template <int MR, int NV, int kBits>
@@ -691,13 +703,7 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t j = kIntLanes * (v0 + v);
-    float lanes[MR][kIntLanes];
-    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
-    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
-      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
-  }
+  store_tile(acc, v0, bias, out, N, cols);
 }
 
 // Tiles of 4 rows and 2 vectors of columns: 8 sums and as many accumulators, 4 vectors of
@@ -926,13 +932,7 @@ void k_tile(const Q8KRows& x, const uint8_t* panel, const uint8_t* spread, int v
       }
     }
   }
-  for (int v = 0; v < NV; ++v) {
-    const int64_t j = kIntLanes * (v0 + v);
-    float lanes[MR][kIntLanes];
-    for (int i = 0; i < MR; ++i) fstore(lanes[i], acc[i][v]);
-    for (int64_t c = j; c < std::min(cols, j + kIntLanes); ++c)
-      for (int i = 0; i < MR; ++i) out[i * N + c] = lanes[i][c - j] + (bias ? bias[c] : 0.f);
-  }
+  store_tile(acc, v0, bias, out, N, cols);
 }
 
 // Rows x[0..M) times one panel of type kKind, into out[0..M) from its first output on.
