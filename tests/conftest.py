@@ -13,6 +13,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_cache(tmp_path_factory):
+    """Tokenizers converted from the tests' GGUF files go to this run's temporary folder (and
+    the servers it starts, which inherit the environment), not to the user's cache."""
+    os.environ["KVFENCE_CACHE"] = str(tmp_path_factory.mktemp("kvfence-cache"))
+
+
 @pytest.fixture(scope="session")
 def default_model_path():
     from kvfence.model.loader import default_model_path

@@ -3,6 +3,7 @@ value, instead of being run approximately. And what it keeps of a GGUF file's bl
 
 import json
 import logging
+import os
 import shutil
 
 import gguf
@@ -348,3 +349,36 @@ def test_a_gguf_array_longer_than_the_file_is_refused(tmp_path, values):
     path.write_bytes(raw[:count_at] + (10**9).to_bytes(8, "little") + raw[count_at + 8 :])
     with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
         open_gguf(path)
+
+
+def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
+    default_model_path, tmp_path, monkeypatch
+):
+    from kvfence.model import tokenizer as tok
+
+    monkeypatch.setenv("KVFENCE_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "model.gguf"
+    shutil.copy(default_model_path, path)
+    calls = []
+    read = tok.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        tok.AutoTokenizer,
+        "from_pretrained",
+        lambda *a, **k: calls.append((a, k)) or read(*a, **k),
+    )
+    converted = tok.load_tokenizer(path)
+    cached = tok.load_tokenizer(path)
+    entries = list((tmp_path / "cache" / "tokenizers").iterdir())
+    assert len(entries) == 1 and (entries[0] / "tokenizer.json").is_file()
+    assert calls[0][1] == {"gguf_file": "model.gguf"}
+    assert calls[1] == ((str(entries[0]),), {})  # no second conversion
+    text = "Héllo, wörld! 12345 <|im_start|>"
+    assert cached.encode(text) == converted.encode(text)
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(cached, messages) == tok.apply_chat_template(converted, messages)
+    # a file changed in place is converted again, not served the old file's tokenizer
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    tok.load_tokenizer(path)
+    assert calls[2][1] == {"gguf_file": "model.gguf"}
+    assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
