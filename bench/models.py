@@ -67,7 +67,7 @@ sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode
 # Each prints {"load_s", "rss_mib", "import_mib"}; the clock starts once the libraries are
 # imported, and import_mib is the RSS then. The peak is this process's own (VmHWM):
 # ru_maxrss would count the parent's pages at the fork. kvfence adds the bytes of the weights
-# its model keeps (kept_mib).
+# its model keeps (kept_mib) and the RSS it holds once loaded, ready to serve (held_mib).
 KVFENCE_LOAD = """
 import json, sys, time
 from kvfence import LLM
@@ -84,7 +84,8 @@ kept = sum(lin.packed.nbytes for lin in [model.lm_head] + [
     getattr(layer, n) for layer in model.layers for n in ("qkv", "o", "gate_up", "down")
 ]) + (0 if model.embed is None else model.embed.nbytes)
 print(json.dumps({
-    "load_s": seconds, "rss_mib": status("VmHWM"), "import_mib": imported, "kept_mib": kept / 2**20
+    "load_s": seconds, "rss_mib": status("VmHWM"), "import_mib": imported, "kept_mib": kept / 2**20,
+    "held_mib": status("VmRSS"),
 }))
 """
 LLAMACPP_LOAD = """
@@ -279,7 +280,7 @@ def print_file(label: str, result: dict, int8_peak: float | None) -> None:
             added = load["rss_mib"] - load["import_mib"]
             kept = (
                 f"; weights kept {load['kept_mib']:.0f} MiB, the load added {added:.0f} MiB, "
-                f"{added / load['kept_mib']:.2f}x them"
+                f"{added / load['kept_mib']:.2f}x them; {load['held_mib']:.0f} MiB held once loaded"
             )
         print(
             f"  {tool:9s} load {load['load_s']:.1f} s, peak RSS {load['rss_mib']:.0f} MiB "

@@ -116,19 +116,21 @@ class LlamaModel:
         # The model keeps what it needs of them: the loader's copies go before the layers are
         # packed, rather than stay beside them to the end of the load.
         weights.lm_head = weights.embed = None
-        self.layers = [
-            Layer(
-                fp32(w.attn_norm),
-                lin(w.qkv, w.qkv_bias),
-                lin(w.o),
-                fp32(w.ffn_norm),
-                lin(w.gate_up),
-                lin(w.down),
-                None if w.q_norm is None else fp32(w.q_norm),
-                None if w.k_norm is None else fp32(w.k_norm),
+        self.layers = []
+        for w in weights.layers:
+            self.layers.append(
+                Layer(
+                    fp32(w.attn_norm),
+                    lin(w.qkv, w.qkv_bias),
+                    lin(w.o),
+                    fp32(w.ffn_norm),
+                    lin(w.gate_up),
+                    lin(w.down),
+                    None if w.q_norm is None else fp32(w.q_norm),
+                    None if w.k_norm is None else fp32(w.k_norm),
+                )
             )
-            for w in weights.layers
-        ]
+            del w  # its unpacked weights go before the next layer is read, not beside it
         self.final_norm = fp32(weights.final_norm)
         d = config.head_dim
         self.inv_freq = 1.0 / (

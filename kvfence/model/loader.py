@@ -145,7 +145,9 @@ def _read_layers(
         if unpermute:
             for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
                 t[p + names[name]] = _unpermute_rope(t[p + names[name]], heads)
-        yield _fuse(config, t, p, names, keep_parts)
+        layer = _fuse(config, t, p, names, keep_parts)
+        del t  # the parts fused away go now, not once the caller has packed the layer
+        yield layer
 
 
 def _fuse(
