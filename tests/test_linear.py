@@ -433,32 +433,33 @@ def test_int8_activations_on_k_quants_give_the_same_bits_on_every_cpu(kernel, ki
     dmin_w * -d_x, acc); then + bias. The integer sums are exact."""
     from kvfence.model.linear import super_block_fields
 
-    blocks, _ = k_quant_parts([kind], [70], 512, seed=12)
+    supers = 3  # more than a batch's tiles take at a time: their sums wait between chunks
+    blocks, _ = k_quant_parts([kind], [70], 256 * supers, seed=12)
     gen = torch.Generator().manual_seed(13)
-    x, bias = torch.randn(9, 512, generator=gen), torch.randn(70, generator=gen)
-    a, dx = q8_k(x)  # [9, 2, 256], [9, 2]
+    x, bias = torch.randn(9, 256 * supers, generator=gen), torch.randn(70, generator=gen)
+    a, dx = q8_k(x)  # [9, supers, 256], [9, supers]
     raw = blocks[0].numpy().reshape(-1, blocks[0].shape[2])
     dw, dmin, scales, mins, q = (
         None if t is None else torch.from_numpy(t.copy()) for t in super_block_fields(raw, kind)
     )
-    dw = dw.view(torch.float16).float().view(70, 2)
-    q = q.view(70, 2, -1, 16 if kind == "Q6_K" else 32).double()
-    a = a.view(9, 2, -1, q.shape[-1]).double()
+    dw = dw.view(torch.float16).float().view(70, supers)
+    q = q.view(70, supers, -1, 16 if kind == "Q6_K" else 32).double()
+    a = a.view(9, supers, -1, q.shape[-1]).double()
     products = torch.einsum("nsjk,msjk->mnsj", q, a)  # exact integers
     if kind == "Q6_K":
-        scales = scales.view(torch.int8).view(70, 2, 16).double()
+        scales = scales.view(torch.int8).view(70, supers, 16).double()
         products = products - 32 * a.sum(-1)[:, None]
     else:
-        scales = torch.from_numpy(scales.numpy().astype("float64")).view(70, 2, 8)
+        scales = torch.from_numpy(scales.numpy().astype("float64")).view(70, supers, 8)
     sumi = (products * scales[None]).sum(-1).float()  # [m, n, super-block]
     acc = torch.zeros(9, 70)
-    for sb in range(2):
+    for sb in range(supers):
         acc = fma(sumi[:, :, sb], dw[None, :, sb] * dx[:, sb, None], acc)
         if dmin is not None:
-            m = torch.from_numpy(mins.numpy().astype("float64")).view(70, 2, 8)
+            m = torch.from_numpy(mins.numpy().astype("float64")).view(70, supers, 8)
             sums = a[:, sb].sum(-1)  # [m, 8]
             summ = (m[None, :, sb] * sums[:, None]).sum(-1).float()
-            dm = dmin.view(torch.float16).float().view(70, 2)
+            dm = dmin.view(torch.float16).float().view(70, supers)
             acc = fma(summ, dm[None, :, sb] * -dx[:, sb, None], acc)
     expected = acc + bias
     packed = pack_for_int8(blocks[0])
