@@ -87,5 +87,8 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[GenerationOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [apply_chat_template(self.tokenizer, c) for c in conversations]
+        prompts = [
+            self.engine.tokenize(apply_chat_template(self.tokenizer, c), templated=True)
+            for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)

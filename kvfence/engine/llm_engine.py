@@ -100,8 +100,11 @@ class LLMEngine:
 
     # --- requests in, pages out ------------------------------------------------------
 
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+    def tokenize(self, prompt: str, templated: bool = False) -> list[int]:
+        """A raw prompt gets the special tokens the tokenizer adds (Llama's and Mistral's BOS),
+        as transformers, vLLM and llama.cpp give it; text the chat template made (templated)
+        already holds its own."""
+        return self.tokenizer.encode(prompt, add_special_tokens=not templated)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, kv_tokens=None) -> int:
         """Admission's check, for callers that refuse a request before queueing it."""

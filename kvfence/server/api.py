@@ -176,7 +176,7 @@ class Server:
         self.check_model(body.model)
         return tenant, body
 
-    async def tokenize_prompts(self, prompt) -> list[list[int]]:
+    async def tokenize_prompts(self, prompt, templated: bool = False) -> list[list[int]]:
         if isinstance(prompt, str):
             prompts = [prompt]
         elif prompt and all(isinstance(p, int) for p in prompt):
@@ -195,7 +195,9 @@ class Server:
         if any(len(t) > self.max_body_bytes for t in texts):
             raise APIError(400, "prompt too long", param="prompt", code="context_length_exceeded")
         return [
-            await asyncio.to_thread(self.engine.tokenize, p) if isinstance(p, str) else list(p)
+            await asyncio.to_thread(self.engine.tokenize, p, templated)
+            if isinstance(p, str)
+            else list(p)
             for p in prompts
         ]
 
@@ -275,7 +277,7 @@ async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
             text = apply_chat_template(s.tokenizer, body.conversation())
         except Exception as e:  # templates raise their own errors for bad conversations
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
-        prompts = await s.tokenize_prompts(text)
+        prompts = await s.tokenize_prompts(text, templated=True)
     else:
         prompts = await s.tokenize_prompts(body.prompt)
     return Prepared(body, chat, prompts, body.sampling_params(), tenant)
@@ -399,7 +401,7 @@ def create_app(
                 [{"role": m.role, "content": m.text()} for m in body.messages],
             )
         )
-        tokens = await asyncio.to_thread(s.engine.tokenize, text)
+        tokens = await asyncio.to_thread(s.engine.tokenize, text, body.messages is not None)
         return {
             "tokens": tokens,
             "count": len(tokens),
