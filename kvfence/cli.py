@@ -155,7 +155,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return server
 
-    app = create_app(build, role=opts.role, serve_metrics=opts.metrics_port is None)
+    app = create_app(lambda: server, role=opts.role, serve_metrics=opts.metrics_port is None)
+    # The model loads here, not in the app's startup: a refusal is main's one line, not a
+    # traceback from inside uvicorn.
+    server = build()
     if opts.role != "unified":
         require_internal_token(app, token)
     if opts.role == "prefill":
