@@ -60,6 +60,9 @@ def save_tiny_model(tmp_path_factory, tokenizer, arch: str, **overrides):
     }
     model_class, config_class, extra = families[arch]
     model = model_class(config_class(**common | extra | overrides))
+    for name, param in model.named_parameters():  # transformers starts biases at 0,
+        if name.endswith("_proj.bias"):  # where a misplaced one would not show
+            torch.nn.init.uniform_(param, -0.5, 0.5)
     if arch == "qwen3":  # random norm weights, so that a skipped Q/K norm shows
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
@@ -88,13 +91,14 @@ def random_k_quant_blocks(kind: str, n: int, k: int, magnitude: float, seed: int
     return raw.reshape(n, -1)
 
 
-def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None):
+def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None, arch=None):
     """A HF directory's model as an F32 GGUF file, laid out as llama.cpp's converter writes it:
     Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
     metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
     replacing) the architecture's keys, named without the `{arch}.` prefix. types: {suffix of
     a GGUF tensor name: GGUF type} for linear weights, stored in that type: quantized by gguf-py,
-    or random K-quant blocks (random_k_quant_blocks) in place of the weights; the rest F32."""
+    or random K-quant blocks (random_k_quant_blocks) in place of the weights; the rest F32.
+    arch: the GGUF architecture, where not the one the HF architecture maps to."""
     import json
 
     import gguf
@@ -105,7 +109,7 @@ def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     raw = json.loads((hf_dir / "config.json").read_text())
-    arch = {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(
+    arch = arch or {"Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}.get(
         raw["architectures"][0], "llama"
     )
     heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]

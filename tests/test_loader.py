@@ -5,6 +5,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -382,3 +384,121 @@ def test_a_gguf_tokenizer_is_converted_once_then_read_from_the_cache(
     tok.load_tokenizer(path)
     assert calls[2][1] == {"gguf_file": "model.gguf"}
     assert len(list((tmp_path / "cache" / "tokenizers").iterdir())) == 2
+
+
+def test_a_raw_prompt_gets_the_tokenizers_bos_and_a_chat_no_second_one(tiny_llama_dir, tmp_path):
+    """Llama's and Mistral's tokenizers put BOS before a prompt (a post-processor, or GGUF's
+    add_bos_token); their chat templates write it themselves."""
+    from transformers import AutoTokenizer
+
+    path = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    raw = json.loads((path / "tokenizer.json").read_text())
+    bos = {"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}
+    raw["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [
+            bos,
+            {"Sequence": {"id": "A", "type_id": 0}},
+            {"Sequence": {"id": "B", "type_id": 1}},
+        ],
+        "special_tokens": {
+            "<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}
+        },
+    }
+    (path / "tokenizer.json").write_text(json.dumps(raw))
+    reference = AutoTokenizer.from_pretrained(str(path))
+    llm = LLM(str(path), num_kv_pages=64)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    [out] = llm.generate("hello world", params)
+    assert out.prompt_token_ids == reference("hello world").input_ids
+    assert out.prompt_token_ids[0] == 1 and out.prompt_token_ids[1] != 1
+    messages = [{"role": "user", "content": "hello"}]
+    [out] = llm.chat(messages, params)
+    templated = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == reference(templated, add_special_tokens=False).input_ids
+    assert out.prompt_token_ids[:2] != [1, 1]
+
+
+def test_serve_refuses_a_model_in_one_line_not_a_traceback(
+    tiny_model, default_model_path, tmp_path
+):
+    path = save_tiny_gguf(
+        tiny_model("llama"),
+        tmp_path / "yarn.gguf",
+        default_model_path,
+        metadata={"rope.scaling.type": ("yarn", gguf.GGUFValueType.STRING)},
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "kvfence.cli", "serve", "--model", str(path), "--port", "8093"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "llama.rope.scaling.type = 'yarn' is not implemented" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [("attention.head_count_kv", [2, 2]), ("feed_forward_length", [128, 256])],
+)
+def test_a_gguf_hyperparameter_per_layer_is_refused_by_name(
+    key, value, tiny_model, default_model_path, tmp_path
+):
+    """llama.cpp takes these as arrays, a value per layer (models of other families than
+    kvfence runs), and transformers' tokenizer reader cannot read them."""
+    array = {key: (value, gguf.GGUFValueType.ARRAY)}
+    path = save_tiny_gguf(tiny_model("llama"), tmp_path / "a.gguf", default_model_path, array)
+    with pytest.raises(ModelLoadError, match=rf"llama.{key} = \[.*\]: a value per layer"):
+        LLM(str(path))
+
+
+def test_an_untied_model_without_its_lm_head_is_refused(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings = False, but .* no lm_head"):
+        LLM(str(path))
+
+
+def test_a_sharded_model_reads_the_files_its_index_names(tiny_llama_dir, tmp_path):
+    """As Mistral's repositories ship it: the shards and their index, and beside them the
+    same weights in another layout (consolidated.safetensors), which the index does not name."""
+    from safetensors.torch import load_file, save_file
+
+    path = shutil.copytree(tiny_llama_dir, tmp_path / "model")
+    tensors = load_file(path / "model.safetensors")
+    names = sorted(tensors)
+    (path / "model.safetensors").unlink()
+    shards = {
+        "model-00001-of-00002.safetensors": names[::2],
+        "model-00002-of-00002.safetensors": names[1::2],
+    }
+    for shard, part in shards.items():
+        save_file({n: tensors[n] for n in part}, path / shard, metadata={"format": "pt"})
+    weight_map = {n: shard for shard, part in shards.items() for n in part}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file(
+        {"layers.0.attention.wk.weight": torch.zeros(2, 2)}, path / "consolidated.safetensors"
+    )
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    [ours] = LLM(str(path), num_kv_pages=64).generate("hello", params)
+    [whole] = LLM(str(tiny_llama_dir), num_kv_pages=64).generate("hello", params)
+    assert ours.outputs[0].token_ids == whole.outputs[0].token_ids
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="names files that are not there"):
+        LLM(str(path))
+
+
+def test_a_gguf_file_without_a_tokenizer_is_refused_before_its_weights(tiny_model):
+    from kvfence.model.loader import gguf_model_config
+
+    reader = open_gguf(tiny_model("llama", "gguf"))
+    del reader.fields["tokenizer.ggml.model"]
+    with pytest.raises(ModelLoadError, match="lacks 'tokenizer.ggml.model'"):
+        gguf_model_config(reader)

@@ -1,10 +1,14 @@
 """Our paged forward pass against Hugging Face transformers on the same weights."""
 
+import json
+import shutil
 from collections import defaultdict
 
+import gguf
 import pytest
 import torch
 
+from helpers import save_tiny_gguf
 from kvfence import LLM, SamplingParams
 from kvfence.model.tokenizer import apply_chat_template
 
@@ -89,6 +93,12 @@ def tiny_llm(path, **kwargs) -> LLM:
     )
 
 
+def hf_float32(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
 @pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
 @pytest.mark.parametrize("arch", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
@@ -97,11 +107,63 @@ def test_model_families_match_transformers(arch, fmt, attention, tiny_model):
     llama.cpp's layout, gives transformers' logits: Llama 3's rope scaling (from config.json
     or rope_freqs), Qwen2's QKV bias, Qwen3's per-head Q/K norms and explicit head_dim, and
     Mistral within its sliding window."""
-    from transformers import AutoModelForCausalLM
-
     llm = tiny_llm(tiny_model(arch, fmt), attention=attention)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model(arch)), dtype=torch.float32).eval()
+    hf = hf_float32(tiny_model(arch))
     compare_batched(llm, hf, TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+def edited_config(src, dst, **edits):
+    """A copy of the HF directory src with config.json's keys edited."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(raw | edits))
+    return dst
+
+
+def test_a_llama_gguf_with_qkv_biases_matches_transformers(
+    tiny_model, default_model_path, tmp_path
+):
+    """llama.cpp's converter permutes the Q/K biases with their weights' rows: both are put
+    back. Qwen2 is Llama with Q/K/V biases, written here as a llama GGUF file."""
+    hf_dir = tiny_model("qwen2")
+    path = save_tiny_gguf(hf_dir, tmp_path / "llama-bias.gguf", default_model_path, arch="llama")
+    compare_batched(tiny_llm(path), hf_float32(hf_dir), TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+@pytest.mark.parametrize("key", ["rope.scaling.factor", "rope.scale_linear"])
+def test_a_gguf_rope_factor_without_a_type_scales_linearly(
+    key, tiny_llama_dir, default_model_path, tmp_path
+):
+    """llama.cpp takes a rope scaling factor with no type as linear (and rope.scale_linear as
+    its older key); transformers reads no GGUF rope scaling, so the reference is config.json's
+    linear scaling of the same weights."""
+    path = save_tiny_gguf(
+        tiny_llama_dir,
+        tmp_path / "linear.gguf",
+        default_model_path,
+        metadata={key: (4.0, gguf.GGUFValueType.FLOAT32)},
+    )
+    scaled = edited_config(
+        tiny_llama_dir, tmp_path / "hf", rope_scaling={"rope_type": "linear", "factor": 4.0}
+    )
+    compare_batched(tiny_llm(path), hf_float32(scaled), TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+def test_rope_parameters_theta_wins_over_the_top_level_one(tiny_llama_dir, tmp_path):
+    path = edited_config(
+        tiny_llama_dir,
+        tmp_path / "model",
+        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
+    compare_batched(tiny_llm(path), hf_float32(path), TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+def test_an_lm_head_unlike_the_embedding_is_the_output_layer_though_tied(tiny_llama_dir, tmp_path):
+    """config.json ties them, but the files hold a different lm_head.weight: transformers
+    keeps it (with a warning), and so does kvfence."""
+    path = edited_config(tiny_llama_dir, tmp_path / "model", tie_word_embeddings=True)
+    compare_batched(tiny_llm(path), hf_float32(path), TINY_PROMPTS, max_tokens=6, atol=1e-4)
 
 
 @pytest.mark.parametrize("attention", ["kernel", "torch"])
@@ -109,10 +171,8 @@ def test_model_families_match_transformers(arch, fmt, attention, tiny_model):
 def test_tiny_model_logits_match_transformers(kv_cache_dtype, atol, attention, tiny_llama_dir):
     """A bf16 pool rounds K and V to 8 bits of mantissa and fp8 (e4m3) to 4, hence the looser
     tolerances (docs/precision.md)."""
-    from transformers import AutoModelForCausalLM
-
     llm = tiny_llm(tiny_llama_dir, attention=attention, kv_cache_dtype=kv_cache_dtype)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    hf = hf_float32(tiny_llama_dir)
     compare_batched(llm, hf, TINY_PROMPTS, max_tokens=6, atol=atol)
 
 

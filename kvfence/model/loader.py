@@ -142,9 +142,11 @@ def _read_layers(
         return_freed_heap()  # what packing the layer before (or the output layer) freed
         p = f"{prefix}{i}."
         t = {p + n: read(p + n) for n in _layer_names(config, names)}
-        if unpermute:
+        if unpermute:  # llama.cpp's converter permutes the Q/K biases with their weights
             for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
-                t[p + names[name]] = _unpermute_rope(t[p + names[name]], heads)
+                for key in (p + names[name], p + names[f"{name}_bias"]):
+                    if key in t:
+                        t[key] = _unpermute_rope(t[key], heads)
         layer = _fuse(config, t, p, names, keep_parts)
         del t  # the parts fused away go now, not once the caller has packed the layer
         yield layer
@@ -271,6 +273,14 @@ def gguf_model_config(reader) -> ModelConfig:
             return default
         return f.contents()
 
+    def per_model(key, default=None) -> int:
+        """A hyperparameter llama.cpp also takes as an array, a value per layer."""
+        value = field(key, default)
+        if isinstance(value, list):
+            raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
+        return int(value)
+
+    field("tokenizer.ggml.model")  # kvfence builds the tokenizer from the file's metadata
     arch = field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
@@ -278,7 +288,7 @@ def gguf_model_config(reader) -> ModelConfig:
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
     hidden = int(field(f"{arch}.embedding_length"))
-    heads = int(field(f"{arch}.attention.head_count"))
+    heads = per_model(f"{arch}.attention.head_count")
     head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
     for key, value in (
         (f"{arch}.attention.value_length", head_dim),
@@ -290,9 +300,13 @@ def gguf_model_config(reader) -> ModelConfig:
                 f"{key} = {field(key)} is not implemented (kvfence runs {key} = {value})"
             )
     rope_factors = ()
-    scaling = field(f"{arch}.rope.scaling.type", "none")
+    # as llama.cpp reads them: the type is linear unless named, the factor's older key
+    # rope.scale_linear, and a factor of 0 or 1 scales nothing
+    factor = float(field(f"{arch}.rope.scaling.factor", field(f"{arch}.rope.scale_linear", 0.0)))
+    scaling = field(f"{arch}.rope.scaling.type", "linear")
     if scaling == "linear":
-        rope_factors = (float(field(f"{arch}.rope.scaling.factor")),) * (head_dim // 2)
+        if factor not in (0.0, 1.0):
+            rope_factors = (factor,) * (head_dim // 2)
     elif scaling != "none":
         raise ModelLoadError(
             f"{arch}.rope.scaling.type = '{scaling}' is not implemented (none and linear are)"
@@ -313,10 +327,10 @@ def gguf_model_config(reader) -> ModelConfig:
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        intermediate_size=per_model(f"{arch}.feed_forward_length"),
         num_layers=int(field(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        num_kv_heads=per_model(f"{arch}.attention.head_count_kv", heads),
         head_dim=head_dim,
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
@@ -805,7 +819,7 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
     rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    theta = float(raw.get("rope_theta") or rope.get("rope_theta", 10000.0))
+    theta = float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0)
     return ModelConfig(
         architecture=archs[0],
         vocab_size=raw["vocab_size"],
@@ -835,11 +849,20 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
     from safetensors import safe_open
 
     generation = path / "generation_config.json"
+    raw = json.loads((path / "config.json").read_text())
     config = hf_model_config(
-        json.loads((path / "config.json").read_text()),
-        json.loads(generation.read_text()) if generation.is_file() else None,
+        raw, json.loads(generation.read_text()) if generation.is_file() else None
     )
-    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():  # the files it names: a repo may ship other formats beside them
+        files = [
+            path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        ]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{index} names files that are not there: {missing}")
+    else:
+        files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path} has a config.json but no *.safetensors files")
     handles = [safe_open(str(f), framework="pt") for f in files]  # tensors read on demand
@@ -856,13 +879,26 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
         return tensor if tensor.dtype in (torch.bfloat16, torch.float16) else tensor.float()
 
     embed = read("model.embed_tokens.weight")
-    untied = not config.tie_word_embeddings and "lm_head.weight" in by_name
+    head = embed
+    if "lm_head.weight" in by_name:  # transformers ties only an lm_head equal to the embedding
+        head = read("lm_head.weight")
+        if config.tie_word_embeddings and torch.equal(head, embed):
+            head = embed
+        elif config.tie_word_embeddings:
+            log.warning(
+                "config.json: tie_word_embeddings = True, but lm_head.weight differs from the "
+                "embedding: it is the output layer, as transformers takes it"
+            )
+    elif raw.get("tie_word_embeddings") is False:
+        raise ModelLoadError(
+            f"config.json: tie_word_embeddings = False, but {path} has no lm_head.weight"
+        )
     weights = Weights(
         embed=embed,
         layers=_read_layers(
             config, read, "model.layers.", _HF_LAYER_NAMES, f"loading {path.name}", progress
         ),
         final_norm=read("model.norm.weight"),
-        lm_head=read("lm_head.weight") if untied else embed,
+        lm_head=head,
     )
     return config, weights
