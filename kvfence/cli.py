@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from dataclasses import Field, fields
 from pathlib import Path
@@ -155,10 +156,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
         return server
 
-    app = create_app(lambda: server, role=opts.role, serve_metrics=opts.metrics_port is None)
-    # The model loads here, not in the app's startup: a refusal is main's one line, not a
-    # traceback from inside uvicorn.
-    server = build()
+    def build_or_exit() -> Server:
+        """build() in the app's startup, where uvicorn would print a refusal as its own
+        traceback: the line main prints instead, and the process ends before a port opens."""
+        try:
+            return build()
+        except Exception as e:
+            line = refusal_line(e)
+            if line is None:
+                raise
+            print(line, file=sys.stderr, flush=True)
+            os._exit(2)
+
+    app = create_app(build_or_exit, role=opts.role, serve_metrics=opts.metrics_port is None)
     if opts.role != "unified":
         require_internal_token(app, token)
     if opts.role == "prefill":
@@ -197,7 +207,6 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     """N prefill and M decode workers plus a router on this machine, until interrupted."""
-    import os
     import secrets
     import subprocess
     import tempfile
@@ -564,17 +573,25 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         return args.func(args)
-    except ConfigError as e:
-        print(f"kvfence: configuration error: {e}", file=sys.stderr)
+    except Exception as e:
+        line = refusal_line(e)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
         return 2
-    except Exception as e:  # any load error is printed as one line, not a traceback
-        from kvfence.engine.sampling_params import InvalidRequest
-        from kvfence.model.loader import ModelLoadError
 
-        if isinstance(e, (ModelLoadError, InvalidRequest, ValueError)):
-            print(f"kvfence: {e}", file=sys.stderr)
-            return 2
-        raise
+
+def refusal_line(e: Exception) -> str | None:
+    """A configuration or load error as the one line it is printed as, not a traceback; None
+    for any other exception."""
+    from kvfence.engine.sampling_params import InvalidRequest
+    from kvfence.model.loader import ModelLoadError
+
+    if isinstance(e, ConfigError):
+        return f"kvfence: configuration error: {e}"
+    if isinstance(e, (ModelLoadError, InvalidRequest, ValueError)):
+        return f"kvfence: {e}"
+    return None
 
 
 if __name__ == "__main__":
