@@ -26,7 +26,7 @@ def _cache_dir(path: Path) -> Path:
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     tokenizer = _read_tokenizer(path)
-    # reading a 128k-token vocabulary leaves some 60 MiB of freed heap in the process
+    # reading a large vocabulary leaves its temporaries as freed heap in the process
     return_freed_heap()
     return tokenizer
 
