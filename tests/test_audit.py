@@ -5,6 +5,7 @@ import random
 import xml.etree.ElementTree as ET
 
 from helpers import TENANT_KEYS, run_audit, start_tenant_server, stop_server
+from kvfence.audit.auditor import Auditor
 from kvfence.audit.cache_probe import MIN_TRIALS, NEGATIVE_TRIALS, CacheTest, Calibration
 from kvfence.audit.report import Finding, Report, junit_xml
 
@@ -39,6 +40,24 @@ def test_cache_verdicts_follow_the_samples():
     small.hit_s, small.miss_s = samples(rng, 0.07, 30, 0.04), samples(rng, 0.10, 30, 0.04)
     assert not small.decide(CALIBRATION, final=True) and small.verdict == "inconclusive"
     assert "budget spent" in small.reason
+
+
+def test_a_200_is_a_policy_only_where_the_whole_answer_fits_the_context_and_the_pool():
+    def policy(n, limit, pool, completion, exact=True):
+        usage = {"prompt_tokens": n, "completion_tokens": completion}
+        return Auditor.boundary_policy(n, limit, pool, usage, "some text", exact)
+
+    # a server that shortens max_tokens to what its context has room for
+    assert "shortened to 15" in policy(2033, 2048, None, 15)
+    assert policy(2033, 2048, None, 16) is None, "it read past its context"
+    # the incident's prompts fit the context but not the pool: a 200 means KV never held,
+    # however few tokens the answer has (the model may stop early on stale KV)
+    assert policy(1025, 2048, 1024, 3) is None
+    assert policy(1023, 2048, 1024, 2) is None
+    assert "shortened to 1" in policy(1023, 2048, 1024, 1)
+    assert policy(2024, 2048, 1024, 0) is None
+    assert policy(2024, 2048, 4096, 8) is not None, "a pool larger than the context is no bound"
+    assert policy(2033, 2048, None, 15, exact=False) is None, "the prompt's size is not known"
 
 
 def test_report_exit_codes_and_junit():

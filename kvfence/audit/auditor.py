@@ -159,7 +159,7 @@ class Auditor:
                     error=ex.error,
                 )
             elif not servable and ex.status == 200 and not ex.error:
-                policy = self.boundary_policy(n, limit, usage, ex.text, exact)
+                policy = self.boundary_policy(n, limit, pool, usage, ex.text, exact)
                 if policy:
                     self.report.info.append(f"boundary: {name}: {policy} (a policy, not a leak)")
                     continue
@@ -180,9 +180,12 @@ class Auditor:
             self.report.passed.append("boundary")
 
     @staticmethod
-    def boundary_policy(n: int, limit: int, usage: dict, text: str, exact: bool) -> str | None:
+    def boundary_policy(
+        n: int, limit: int, pool: int | None, usage: dict, text: str, exact: bool
+    ) -> str | None:
         """What a 200 to an over-limit prompt did, where usage shows the whole prompt counted
-        and nothing read past the context; None where it may have dropped part of the prompt."""
+        and nothing read past the context or the KV pool, whichever is smaller (no request's
+        KV outgrows the pool); None where it may have dropped or not held part of it."""
         if not text and not usage:
             return "answered 200 with an empty stream and no usage: nothing was generated"
         prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
@@ -190,7 +193,8 @@ class Auditor:
             return None
         if completion == 0 and not text:
             return f"answered 200 with no output; all {n} prompt tokens were counted"
-        if n < limit and n + completion <= limit:
+        room = min(limit, pool or limit)
+        if n < room and n + completion <= room:
             return (
                 f"answered 200 with max_tokens shortened to {completion}; all {n} prompt "
                 "tokens were counted"
