@@ -91,14 +91,17 @@ def random_k_quant_blocks(kind: str, n: int, k: int, magnitude: float, seed: int
     return raw.reshape(n, -1)
 
 
-def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None, arch=None):
+def save_tiny_gguf(
+    hf_dir, path, tokenizer_gguf, metadata=None, types=None, arch=None, split_max_tensors=0
+):
     """A HF directory's model as an F32 GGUF file, laid out as llama.cpp's converter writes it:
     Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
     metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
     replacing) the architecture's keys, named without the `{arch}.` prefix. types: {suffix of
     a GGUF tensor name: GGUF type} for linear weights, stored in that type: quantized by gguf-py,
     or random K-quant blocks (random_k_quant_blocks) in place of the weights; the rest F32.
-    arch: the GGUF architecture, where not the one the HF architecture maps to."""
+    arch: the GGUF architecture, where not the one the HF architecture maps to.
+    split_max_tensors: split into files of that many tensors, as llama-gguf-split does."""
     import json
 
     import gguf
@@ -131,7 +134,7 @@ def save_tiny_gguf(hf_dir, path, tokenizer_gguf, metadata=None, types=None, arch
     }
     if raw.get("sliding_window") and arch == "llama":
         keys["attention.sliding_window"] = (raw["sliding_window"], u32)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     for key, (value, vtype) in (keys | (metadata or {})).items():
         w.add_key_value(f"{arch}.{key}", value, vtype)
     for field in gguf.GGUFReader(str(tokenizer_gguf)).fields.values():

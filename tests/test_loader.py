@@ -455,6 +455,17 @@ def test_a_gguf_hyperparameter_per_layer_is_refused_by_name(
         LLM(str(path))
 
 
+def test_a_split_gguf_model_is_refused_by_name(tiny_model, default_model_path, tmp_path):
+    save_tiny_gguf(
+        tiny_model("llama"), tmp_path / "a.gguf", default_model_path, None, None, None, 8
+    )
+    parts = sorted(tmp_path.glob("a-*-of-*.gguf"))
+    assert len(parts) > 1
+    for part in parts:  # the first holds the metadata, the others tensors only
+        with pytest.raises(ModelLoadError, match=r"split.count = \d+: a GGUF model split"):
+            LLM(str(part))
+
+
 def test_an_untied_model_without_its_lm_head_is_refused(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 

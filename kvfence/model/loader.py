@@ -280,6 +280,11 @@ def gguf_model_config(reader) -> ModelConfig:
             raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
         return int(value)
 
+    if int(field("split.count", 1)) > 1:  # llama.cpp's gguf-split: tensors in several files
+        raise ModelLoadError(
+            f"split.count = {field('split.count')}: a GGUF model split into several files is "
+            "not implemented; merge them with llama.cpp's `llama-gguf-split --merge`"
+        )
     field("tokenizer.ggml.model")  # kvfence builds the tokenizer from the file's metadata
     arch = field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
