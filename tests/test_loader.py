@@ -457,7 +457,7 @@ def test_a_gguf_hyperparameter_per_layer_is_refused_by_name(
 
 def test_a_split_gguf_model_is_refused_by_name(tiny_model, default_model_path, tmp_path):
     save_tiny_gguf(
-        tiny_model("llama"), tmp_path / "a.gguf", default_model_path, None, None, None, 8
+        tiny_model("llama"), tmp_path / "a.gguf", default_model_path, split_max_tensors=8
     )
     parts = sorted(tmp_path.glob("a-*-of-*.gguf"))
     assert len(parts) > 1
