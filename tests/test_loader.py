@@ -455,15 +455,31 @@ def test_a_gguf_hyperparameter_per_layer_is_refused_by_name(
         LLM(str(path))
 
 
-def test_a_split_gguf_model_is_refused_by_name(tiny_model, default_model_path, tmp_path):
+def test_a_split_gguf_model_loads_from_its_first_part(tiny_model, default_model_path, tmp_path):
+    """As llama-gguf-split writes one (gguf-py's writer splits the same way): the metadata in
+    the first part, the tensors spread over all; the model equals the whole file's."""
+    hf_dir = tiny_model("llama")
+    whole = save_tiny_gguf(hf_dir, tmp_path / "whole.gguf", default_model_path, types={"*": "Q8_0"})
     save_tiny_gguf(
-        tiny_model("llama"), tmp_path / "a.gguf", default_model_path, split_max_tensors=8
+        hf_dir, tmp_path / "m.gguf", default_model_path, types={"*": "Q8_0"}, split_max_tensors=8
     )
-    parts = sorted(tmp_path.glob("a-*-of-*.gguf"))
-    assert len(parts) > 1
-    for part in parts:  # the first holds the metadata, the others tensors only
-        with pytest.raises(ModelLoadError, match=r"split.count = \d+: a GGUF model split"):
-            LLM(str(part))
+    first, *rest = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert first.name == f"m-00001-of-{len(rest) + 1:05d}.gguf" and len(rest) >= 2
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    prompts = ["hello", "a longer prompt that needs chunks of prefill"]
+    small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
+    for dtype in ("float32", "gguf-int8"):
+        split, one = (LLM(str(p), dtype=dtype, **small) for p in (first, whole))
+        assert [o.outputs[0].logprobs for o in split.generate(prompts, params)] == [
+            o.outputs[0].logprobs for o in one.generate(prompts, params)
+        ]
+    with pytest.raises(ModelLoadError, match=rf"part 2 of .*: give its first part, {first.name}"):
+        LLM(str(rest[0]))
+    rest[-1].rename(tmp_path / "elsewhere.gguf")
+    with pytest.raises(
+        ModelLoadError, match=rf"{rest[-1].name}, part {len(rest) + 1} of .* missing"
+    ):
+        LLM(str(first))
 
 
 def test_an_untied_model_without_its_lm_head_is_refused(tiny_llama_dir, tmp_path):

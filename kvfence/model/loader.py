@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import mmap
+import re
 import struct
 import sys
 from collections.abc import Callable, Iterator
@@ -280,11 +281,6 @@ def gguf_model_config(reader) -> ModelConfig:
             raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
         return int(value)
 
-    if int(field("split.count", 1)) > 1:  # llama.cpp's gguf-split: tensors in several files
-        raise ModelLoadError(
-            f"split.count = {field('split.count')}: a GGUF model split into several files is "
-            "not implemented; merge them with llama.cpp's `llama-gguf-split --merge`"
-        )
     field("tokenizer.ggml.model")  # kvfence builds the tokenizer from the file's metadata
     arch = field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -550,10 +546,65 @@ def open_gguf(path: Path):
             indices = list(range(2, 2 + len(items)))
             return at - offset, [item_type, count, *items], indices, [GGUFValueType.ARRAY, kind]
 
-    try:
-        return Reader(str(path))
-    except Exception as e:  # the gguf package raises bare ValueError/struct errors
-        raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+    def read(path: Path) -> Reader:
+        try:
+            reader = Reader(str(path))
+        except Exception as e:  # the gguf package raises bare ValueError/struct errors
+            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+        # the mapping each tensor's data_offset counts in (_drop_mapped_pages)
+        reader.mappings = {t.name: reader.data._mmap for t in reader.tensors}
+        return reader
+
+    reader = read(path)
+    parts = _split_parts(path, reader)
+    for number, part in enumerate(parts[1:], 1):  # the first part holds the metadata
+        if not part.is_file():
+            raise ModelLoadError(
+                f"{part.name}, part {number + 1} of {path.name}'s model, is missing"
+            )
+        more = read(part)
+        if _split(more) != (number, len(parts)):
+            no, count = _split(more)
+            raise ModelLoadError(
+                f"{part.name} has split.no = {no}, split.count = {count}: it is not part "
+                f"{number + 1} of {len(parts)} of {path.name}'s model"
+            )
+        if again := sorted(set(more.mappings) & set(reader.mappings)):
+            raise ModelLoadError(f"{part.name} holds {again[0]} again, as an earlier part does")
+        reader.tensors.extend(more.tensors)
+        reader.mappings |= more.mappings
+    return reader
+
+
+def _split(reader) -> tuple[int, int]:
+    """(split.no, split.count) of a part of a GGUF model split by llama-gguf-split; (0, 1)
+    for a whole file."""
+    fields = reader.fields
+    if "split.count" not in fields:
+        return 0, 1
+    return int(fields["split.no"].contents()), int(fields["split.count"].contents())
+
+
+def _split_parts(path: Path, reader) -> list[Path]:
+    """The files of a split GGUF model, named as llama.cpp's llama_split_path names them
+    (`PREFIX-00001-of-00003.gguf`), from its first part; [path] for a whole file."""
+    number, count = _split(reader)
+    if count == 1:
+        return [path]
+    named = re.fullmatch(r"(.+)-(\d{5})-of-(\d{5})\.gguf", path.name)
+    if named is None or int(named[3]) != count:
+        raise ModelLoadError(
+            f"{path.name} is part {number + 1} of a GGUF model split into {count} files "
+            f"(split.count = {count}), not named PREFIX-{number + 1:05d}-of-{count:05d}.gguf as "
+            "llama-gguf-split names them: the other parts cannot be found"
+        )
+    if number != 0:
+        first = f"{named[1]}-00001-of-{count:05d}.gguf"
+        raise ModelLoadError(
+            f"{path.name} is part {number + 1} of {count} of a split GGUF model: give its "
+            f"first part, {first}, which holds the model's metadata"
+        )
+    return [path.with_name(f"{named[1]}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
 
 
 def has_gguf_blocks(reader) -> bool:
@@ -627,7 +678,7 @@ def _drop_mapped_pages(reader, tensor) -> None:
     (the kernel keeps them in the page cache): every page read would otherwise stay resident
     to the end of the load, the whole file beside the weights made from it."""
     start = tensor.data_offset // mmap.PAGESIZE * mmap.PAGESIZE
-    reader.data._mmap.madvise(
+    reader.mappings[tensor.name].madvise(
         mmap.MADV_DONTNEED, start, tensor.data_offset + tensor.n_bytes - start
     )
 
