@@ -470,6 +470,7 @@ def test_a_split_gguf_model_loads_from_its_first_part(tiny_model, default_model_
     small = dict(page_size=5, num_kv_pages=200, max_num_batched_tokens=16, max_num_seqs=8)
     for dtype in ("float32", "gguf-int8"):
         split, one = (LLM(str(p), dtype=dtype, **small) for p in (first, whole))
+        assert split.engine.model_name == "m", "served by the model's name, not the part's"
         assert [o.outputs[0].logprobs for o in split.generate(prompts, params)] == [
             o.outputs[0].logprobs for o in one.generate(prompts, params)
         ]

@@ -24,6 +24,7 @@ from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.model.loader import model_name
 from kvfence.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvfence.engine")
@@ -42,7 +43,7 @@ class LLMEngine:
             )
         self.model_path, self.model_config, model = build_model(config, progress)
         path = self.model_path
-        self.model_name = path.stem if path.is_file() else path.name
+        self.model_name = model_name(path)
         admission_cls, remote_cls, prefix_cache_cls, scheduler_cls = faults.engine_parts(
             config.inject_fault
         )

@@ -576,6 +576,18 @@ def open_gguf(path: Path):
     return reader
 
 
+SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")  # llama.cpp's llama_split_path
+
+
+def model_name(path: Path) -> str:
+    """The name a model is served by: its directory's, or its file's without `.gguf` and a
+    split part's `-00001-of-00003`."""
+    if path.is_dir():
+        return path.name
+    split = SPLIT_NAME.fullmatch(path.name)
+    return split[1] if split else path.stem
+
+
 def _split(reader) -> tuple[int, int]:
     """(split.no, split.count) of a part of a GGUF model split by llama-gguf-split; (0, 1)
     for a whole file."""
@@ -591,7 +603,7 @@ def _split_parts(path: Path, reader) -> list[Path]:
     number, count = _split(reader)
     if count == 1:
         return [path]
-    named = re.fullmatch(r"(.+)-(\d{5})-of-(\d{5})\.gguf", path.name)
+    named = SPLIT_NAME.fullmatch(path.name)
     if named is None or int(named[3]) != count:
         raise ModelLoadError(
             f"{path.name} is part {number + 1} of a GGUF model split into {count} files "
