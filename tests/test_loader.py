@@ -481,6 +481,11 @@ def test_a_split_gguf_model_loads_from_its_first_part(tiny_model, default_model_
         ModelLoadError, match=rf"{rest[-1].name}, part {len(rest) + 1} of .* missing"
     ):
         LLM(str(first))
+    shutil.copy(tmp_path / "elsewhere.gguf", rest[0])  # the last part under the second's name
+    with pytest.raises(ModelLoadError, match=rf"{rest[0].name} has split.no = {len(rest)}, "):
+        LLM(str(first))
+    with pytest.raises(ModelLoadError, match=r"split into \d+ files .* not named PREFIX-00001-"):
+        LLM(str(first.rename(tmp_path / "renamed.gguf")))
 
 
 def test_an_untied_model_without_its_lm_head_is_refused(tiny_llama_dir, tmp_path):
