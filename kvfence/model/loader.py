@@ -511,7 +511,8 @@ def _gguf_linear_tensors(reader, config: ModelConfig) -> tuple[str, list]:
 
 
 def open_gguf(path: Path):
-    """The file's GGUFReader, which memory-maps it, or a ModelLoadError saying why not."""
+    """The file's GGUFReader, which memory-maps it (for the first part of a split model, with
+    the other parts' tensors added), or a ModelLoadError saying why not."""
     from gguf import GGUFReader, GGUFValueType
 
     class Reader(GGUFReader):
