@@ -512,7 +512,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--alpha",
         type=float,
         default=0.01,
-        help="significance level of the prefix-cache test, shared among the pairs of keys",
+        help="significance level of the prefix-cache test, shared among the pairs of keys "
+        "and the test's looks",
     )
     p.add_argument(
         "--cache-min-tokens",

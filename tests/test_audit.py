@@ -6,7 +6,13 @@ import xml.etree.ElementTree as ET
 
 from helpers import TENANT_KEYS, run_audit, start_tenant_server, stop_server
 from kvfence.audit.auditor import Auditor
-from kvfence.audit.cache_probe import MIN_TRIALS, NEGATIVE_TRIALS, CacheTest, Calibration
+from kvfence.audit.cache_probe import (
+    LOOKS,
+    MIN_TRIALS,
+    NEGATIVE_TRIALS,
+    CacheTest,
+    Calibration,
+)
 from kvfence.audit.report import Finding, Report, junit_xml
 
 KEY_ARGS = [a for k in TENANT_KEYS for a in ("--api-key", k)]
@@ -25,14 +31,17 @@ def test_cache_verdicts_follow_the_samples():
     shared.hit_s.append(0.05)
     shared.miss_s.append(0.10)
     assert shared.decide(CALIBRATION, final=False) and shared.verdict == "shared"
-    assert shared.p_value < 0.005 and shared.statistic == 1.0
+    assert shared.p_value < 0.005 / len(LOOKS) and shared.statistic == 1.0
+    shared.hit_s.append(0.05)
+    shared.miss_s.append(0.10)
+    assert not shared.decide(CALIBRATION, final=False), "the test runs at the looks only"
 
     fresh = CacheTest(0, 1, alpha=0.005)
     fresh.hit_s, fresh.miss_s = samples(rng, 0.10, MIN_TRIALS), samples(rng, 0.10, MIN_TRIALS)
     assert not fresh.decide(CALIBRATION, final=False), "too few trials to call it not shared"
     assert fresh.decide(CALIBRATION, final=True) is False and fresh.verdict == "inconclusive"
-    fresh.hit_s += samples(rng, 0.10, NEGATIVE_TRIALS)
-    fresh.miss_s += samples(rng, 0.10, NEGATIVE_TRIALS)
+    fresh.hit_s += samples(rng, 0.10, NEGATIVE_TRIALS - MIN_TRIALS)
+    fresh.miss_s += samples(rng, 0.10, NEGATIVE_TRIALS - MIN_TRIALS)
     assert fresh.decide(CALIBRATION, final=False) and fresh.verdict == "not shared"
 
     # a speed-up lost in noise is neither proof of a cache nor of its absence
@@ -40,6 +49,21 @@ def test_cache_verdicts_follow_the_samples():
     small.hit_s, small.miss_s = samples(rng, 0.07, 30, 0.04), samples(rng, 0.10, 30, 0.04)
     assert not small.decide(CALIBRATION, final=True) and small.verdict == "inconclusive"
     assert "budget spent" in small.reason
+
+
+def test_stopping_at_the_first_decisive_look_keeps_false_positives_under_alpha():
+    """Without a cache, hits and misses come from one distribution: the whole procedure, trial
+    pairs until decisive, calls it "shared" at most alpha of the time. A test after every
+    trial pair would do so about twice as often."""
+    rng = random.Random(1)
+    runs, false_positives = 2000, 0
+    for _ in range(runs):
+        test = CacheTest(0, 1, alpha=0.01)
+        while not test.decide(CALIBRATION, final=False):
+            test.hit_s += samples(rng, 0.10, 1)
+            test.miss_s += samples(rng, 0.10, 1)
+        false_positives += test.verdict == "shared"
+    assert false_positives <= 0.01 * runs, false_positives
 
 
 def test_a_200_is_a_policy_only_where_the_whole_answer_fits_the_context_and_the_pool():

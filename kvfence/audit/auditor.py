@@ -347,7 +347,7 @@ class Auditor:
                 "cross-key-cache",
                 f"one prefix cache serves several keys: key {test.attacker + 1}'s first token "
                 f"comes sooner when key {test.victim + 1} sent the same prefix before "
-                f"({test.reason}; one-sided KS p = {test.p_value:.3g} < {test.alpha:.3g})",
+                f"({test.reason}; one-sided KS p = {test.p_value:.3g} < {test.look_alpha:.3g})",
                 **figures,
             )
         elif max(test.cached_tokens, default=0) > 0:

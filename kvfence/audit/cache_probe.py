@@ -7,7 +7,9 @@ length (a miss). Times to the first token of the two kinds are compared with a o
 two-sample Kolmogorov-Smirnov test. The prompt length is sized first, so that a miss costs at
 least MARGIN times the timing noise, and is at least --cache-min-tokens long, since caches
 share whole blocks (vLLM's CPU build 128 tokens) or only long prompts (1024 tokens at some
-providers). Trials stop as soon as the answer is decisive.
+providers). The test is run at a few fixed trial counts (LOOKS), each at the level divided by
+their number (Bonferroni), so that stopping at the first decisive one keeps the false-positive
+rate at the level; testing after every trial would about double it.
 The same procedure within one key is the positive control: a server whose cache it cannot see
 gets "inconclusive", never "not shared".
 """
@@ -24,9 +26,9 @@ from kvfence.audit.prompts import join, random_words
 
 MARGIN = 20  # a miss must cost this many times the timing noise
 SHARED_FRACTION = 0.95
-MIN_TRIALS = 8  # per condition, before any verdict
+LOOKS = (8, 20, 40, 80, 160, 250)  # trials per condition at which to test; 250 as Gu et al.
+MIN_TRIALS, MAX_TRIALS = LOOKS[0], LOOKS[-1]
 NEGATIVE_TRIALS = 20  # per condition, before "not shared" can be decisive
-MAX_TRIALS = 250  # per condition (Gu et al.'s sample size)
 MAX_WORDS = 4096
 
 
@@ -58,6 +60,11 @@ class CacheTest:
     def control(self) -> bool:
         return self.victim == self.attacker
 
+    @property
+    def look_alpha(self) -> float:
+        """The level of each look (the deadline's look takes the place of a later one)."""
+        return self.alpha / len(LOOKS)
+
     def summary(self) -> dict:
         med = statistics.median
         return {
@@ -71,18 +78,19 @@ class CacheTest:
             "ks_statistic": self.statistic,
             "p_value": self.p_value,
             "alpha": self.alpha,
+            "alpha_per_look": self.look_alpha,
             "max_cached_tokens": max(self.cached_tokens, default=None),
         }
 
     def decide(self, calibration: Calibration, final: bool) -> bool:
-        """Updates the verdict from the samples so far; True once it is decisive."""
+        """Updates the verdict at a look, or at the deadline (`final`); True once decisive."""
         n = min(len(self.hit_s), len(self.miss_s))
-        if n < MIN_TRIALS:
+        if n < MIN_TRIALS or (n not in LOOKS and not final):
             return False
         test = ks_2samp(self.hit_s, self.miss_s, alternative="greater")  # hits come sooner
         self.p_value, self.statistic = float(test.pvalue), float(test.statistic)
         gap = statistics.median(self.miss_s) - statistics.median(self.hit_s)
-        if self.p_value < self.alpha:
+        if self.p_value < self.look_alpha:
             self.verdict = "shared"
             self.reason = f"hits {1000 * gap:.1f} ms sooner (median)"
             return True
