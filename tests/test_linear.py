@@ -1,8 +1,10 @@
 """The packed linear kernel (csrc/linear.cpp): exact sums, rows independent of the batch,
 GGUF blocks giving the bits of their fp32 values; and its 8-bit-activation mode."""
 
+import numpy as np
 import pytest
 import torch
+from gguf.quants import Q4_K
 
 from helpers import random_k_quant_blocks
 from kvfence.model.kernels import build, cpu_variant, linear_kernel, packed_rows_kernel
@@ -13,7 +15,14 @@ from kvfence.model.linear import (
     pack,
     pack_for_int8,
 )
-from kvfence.model.loader import BLOCK_BYTES, _cat_rows, blocks_to_float, gguf_blocks
+from kvfence.model.loader import (
+    BLOCK_BYTES,
+    _cat_rows,
+    blocks_to_float,
+    gguf_blocks,
+    k_quant_nibbles,
+    q6_k_codes,
+)
 
 
 @pytest.fixture(scope="module", params=["this CPU's", "avx2"])
@@ -405,6 +414,7 @@ def test_int8_activations_on_k_quants_compute_llama_cpp_arithmetic(kernel, kinds
     blocks, w = k_quant_parts(kinds, rows, 512, seed=10)
     packed = pack_for_int8(blocks if len(blocks) > 1 else blocks[0])
     assert packed.dtype == torch.int8 and packed.dim() == 1
+    assert torch.equal(build("linear", "avx2").pack_k_quants(blocks), packed), "AVX2 CPUs' packing"
     gen = torch.Generator().manual_seed(11)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(40, 512, generator=gen)
@@ -425,14 +435,26 @@ def test_int8_activations_on_k_quants_compute_llama_cpp_arithmetic(kernel, kinds
         kernel(torch.randn(2, 256), packed, n, None)
 
 
+def super_block_fields(raw: np.ndarray, kind: str) -> tuple:
+    """K-quant blocks (uint8 [R, bytes]) -> d and, but for Q6_K, dmin (fp16 bytes [R, 2]);
+    the scales (Q4_K/Q5_K: [R, 8], one per 32 k; Q6_K: int8 bytes [R, 16], one per 16) and
+    mins (Q6_K: None); the codes [R, 256] (0-63), as gguf unpacks them."""
+    if kind == "Q6_K":
+        return raw[:, 208:210], None, raw[:, 192:208], None, q6_k_codes(raw)
+    sc, m = Q4_K.get_scale_min(raw[:, 4:16])
+    codes = k_quant_nibbles(raw[:, -128:]).reshape(-1, 256)
+    if kind == "Q5_K":
+        qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+        codes |= (qh & 1).reshape(-1, 256) << 4
+    return raw[:, 0:2], raw[:, 2:4], sc, m, codes
+
+
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_int8_activations_on_k_quants_give_the_same_bits_on_every_cpu(kernel, kind):
     """The bits of the K-quant kernel, whatever its instructions: per super-block, in k
     order, acc = fma(sumi, d_w * d_x, acc) with sumi = sum_j sc_j (q . a)_j (Q6_K: per 16 k,
     (q . a - 32 sum(a)) times its int8 scale), then for Q4_K/Q5_K acc = fma(sum_j m_j sum(a)_j,
     dmin_w * -d_x, acc); then + bias. The integer sums are exact."""
-    from kvfence.model.linear import super_block_fields
-
     supers = 3  # more than a batch's tiles take at a time: their sums wait between chunks
     blocks, _ = k_quant_parts([kind], [70], 256 * supers, seed=12)
     gen = torch.Generator().manual_seed(13)

@@ -8,13 +8,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvfence.model.kernels import build
 from kvfence.model.loader import (
     HALF_TYPES,
     SUB_BLOCK_BYTES,
-    SUPER_BLOCK_TYPES,
     blocks_to_float,
-    k_quant_nibbles,
-    q6_k_codes,
     sub_blocks,
 )
 
@@ -41,12 +39,15 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     code fits 4 bits, two codes a byte (row j low, row j + 16 high), with fp16 scales where
     they all fit (Q4_0, Q4_1 as stored: [ceil(N/32), K/32, 640]), else fp32 ones (Q4_K: 768);
     other codes take a byte each, with fp32 scales (1280). Where the two halves of a block
-    have scales of their own (Q6_K), each half's scales and offsets, then bytes (1536)."""
+    have scales of their own (Q6_K), each half's scales and offsets, then bytes (1536).
+    K-quant rows (uint8 [N, K/256, bytes], the file's blocks) -> csrc/linear.cpp's
+    SuperBlocks, [ceil(N/32), K/256, bytes] (Q4_K: 4,736, 0.58 a weight; Q5_K 6,784; Q6_K
+    6,720), packed there."""
     if weight.dtype != torch.uint8:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
     if weight.dim() == 3:
-        return _in_chunks(weight, pack_super_blocks)
+        return build("linear").pack_super_blocks(weight.contiguous())
     shared, nibbles, fp16 = True, True, True  # one layout for the whole matrix
     for part in _panel_chunks(weight):
         codes, scales = block_panels(part)
@@ -96,149 +97,6 @@ def _in_chunks(blocks: torch.Tensor, packed: Callable) -> torch.Tensor:
     return out
 
 
-def super_block_fields(raw: np.ndarray, kind: str) -> tuple:
-    """K-quant blocks (uint8 [R, bytes]) -> d and, but for Q6_K, dmin (fp16 bytes [R, 2]);
-    the scales (Q4_K/Q5_K: [R, 8], one per 32 k; Q6_K: int8 bytes [R, 16], one per 16) and
-    mins (Q6_K: None); the codes [R, 256] (0-63), as gguf unpacks them."""
-    from gguf.quants import Q4_K
-
-    if kind == "Q6_K":
-        return raw[:, 208:210], None, raw[:, 192:208], None, q6_k_codes(raw)
-    sc, m = Q4_K.get_scale_min(raw[:, 4:16])
-    codes = k_quant_nibbles(raw[:, -128:]).reshape(-1, 256)
-    if kind == "Q5_K":
-        qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-        codes |= (qh & 1).reshape(-1, 256) << 4
-    return raw[:, 0:2], raw[:, 2:4], sc, m, codes
-
-
-def _panel_fields(blocks: torch.Tensor) -> tuple:
-    """K-quant rows (uint8 [N, K/256, bytes]) in panels of 32 rows (zero padded): the type, the
-    panels' count p and super-blocks n, then super_block_fields' arrays per panel, rows last:
-    d and dmin [p, n, 2 bytes, 32], scales [p, n, 8, 32] (Q6_K: [p, n, 8, 2, 32]), mins
-    [p, n, 8, 32] and codes [p, n, 8 sub-blocks, 32 k, 32]."""
-    kind = SUPER_BLOCK_TYPES[blocks.shape[2]]
-    pad = -blocks.shape[0] % PANEL
-    raw = (F.pad(blocks, (0, 0, 0, 0, 0, pad)) if pad else blocks).numpy()
-    p, n = raw.shape[0] // PANEL, raw.shape[1]
-
-    def per_panel(t: np.ndarray | None, *inner: int) -> np.ndarray | None:
-        return None if t is None else np.moveaxis(t.reshape(p, PANEL, n, *inner), 1, -1)
-
-    d, dmin, scales, mins, codes = super_block_fields(raw.reshape(-1, raw.shape[2]), kind)
-    halves = (2,) if kind == "Q6_K" else ()
-    return (
-        kind,
-        p,
-        n,
-        per_panel(d, 2),
-        per_panel(dmin, 2),
-        per_panel(scales, 8, *halves),
-        per_panel(mins, 8),
-        per_panel(codes, 8, 32),
-    )
-
-
-def _fp16_rows(*fields: np.ndarray | None) -> np.ndarray:
-    """Per-panel fp16 fields [p, n, 2 bytes, 32 rows] -> [p, n, 64 bytes each]: each row's fp16
-    in order."""
-    return np.concatenate(
-        [np.swapaxes(f, 2, 3).reshape(*f.shape[:2], -1) for f in fields if f is not None], axis=2
-    )
-
-
-def pack_super_blocks(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K, Q5_K or Q6_K rows (uint8 [N, K/256, bytes], the file's blocks) -> csrc/linear.cpp's
-    super-block layout, [ceil(N/32), K/256, bytes]: per panel and 256 k, the 32 rows' d (fp16)
-    and, but for Q6_K, their dmin; then per 32 k the rows' scales (Q6_K: int8 for each 16 k)
-    and mins (6 bits in a byte), the codes' low nibbles as the 4-bit layout, and 8 bytes a k
-    of their high bits, byte l holding rows l, l + 8, l + 16 and l + 24's from bit 0 up.
-    Q4_K: 4,736 bytes, 0.58 a weight; Q5_K 6,784, 0.83; Q6_K 6,720, 0.82."""
-    kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
-    if mins is not None:
-        scales = np.stack([scales, mins], axis=3)  # [p, n, block, 2, row]
-    low = codes & 15
-    parts = [
-        scales.reshape(p, n, 8, -1),
-        (low[..., :16] | low[..., 16:] << 4).reshape(p, n, 8, -1),
-    ]
-    high_bits = {"Q4_K": 0, "Q5_K": 1, "Q6_K": 2}[kind]
-    if high_bits:  # byte l of a k: rows l, l + 8, l + 16, l + 24, high_bits each
-        high = (codes >> 4).reshape(p, n, 8, 32, 4, 8)
-        shifts = (high_bits * np.arange(4, dtype=np.uint8)).reshape(4, 1)
-        parts.append(np.bitwise_or.reduce(high << shifts, axis=4).reshape(p, n, 8, -1))
-    blocks_out = np.concatenate(parts, axis=3).reshape(p, n, -1)
-    return torch.from_numpy(np.concatenate([_fp16_rows(d, dmin), blocks_out], axis=2))
-
-
-K_INT8_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # their number in the table: also their high bit planes
-K_INT8_BYTES = {"Q4_K": 4736, "Q5_K": 5760, "Q6_K": 6720}  # a panel's bytes per 256 k
-
-
-def _k_int8_panels(blocks: torch.Tensor) -> np.ndarray:
-    """K-quant rows (uint8 [N, K/256, bytes]) -> csrc/linear.cpp's panels for
-    8-bit activations, uint8 [ceil(N/32), K/256 * K_INT8_BYTES]: per 256 k the rows' d (fp16)
-    and, but for Q6_K, dmin; then per 32 k the scales and mins (Q6_K: the scales of each half),
-    [2, 32 rows], the codes' low nibbles in the 4-bit int8 layout of pack_for_int8, and each
-    high bit of the codes in planes: per 8 k (h), low then high nibble, 128 bits, bit
-    32g + 4j + t that of byte 32g + 4j + t."""
-    kind, p, n, d, dmin, scales, mins, codes = _panel_fields(blocks)
-    if mins is not None:
-        scales = np.stack([scales, mins], axis=3)  # [p, n, sub-block, 2, row]
-    # codes [p, n, sub, k = 8h + 4 half + t, row = 8g + j] -> [p, n, sub, h, half, g, j, t],
-    # moved as uint32, four k (t) at a time: the rows' k are contiguous in the file's blocks
-    quads = np.moveaxis(codes, 3, 4).view(np.uint32).reshape(p, n, 8, 4, 8, 4, 2)
-    quads = np.ascontiguousarray(quads.transpose(0, 1, 2, 5, 6, 3, 4))
-    # then worked on 8 codes at a time, a uint64's bytes: no shift below crosses a byte
-    codes = quads.view(np.uint64).reshape(p, n, 8, 4, 2, 128 // 8)
-    low = codes & np.uint64(0x0F0F0F0F0F0F0F0F)
-    sub_blocks = [
-        scales.reshape(p, n, 8, -1),
-        (low[:, :, :, :, 0] | low[:, :, :, :, 1] << np.uint64(4))
-        .view(np.uint8)
-        .reshape(p, n, 8, -1),
-    ]
-    bits = K_INT8_TYPES.index(kind)
-    if bits:
-        planes = np.stack(
-            [codes >> np.uint64(4 + b) & np.uint64(0x0101010101010101) for b in range(bits)], axis=5
-        )  # [p, n, sub, h, half, bit, 128 bytes of 0 or 1]
-        packed = np.packbits(planes.view(np.uint8), axis=6, bitorder="little")
-        sub_blocks.append(packed.reshape(p, n, 8, -1))
-    body = np.concatenate(sub_blocks, axis=3).reshape(p, n, -1)
-    return np.concatenate([_fp16_rows(d, dmin), body], axis=2).reshape(p, -1)
-
-
-def pack_k_for_int8(parts: list[torch.Tensor]) -> torch.Tensor:
-    """K-quant matrices (uint8 [N_i, K/256, bytes], of any of K_INT8_TYPES), one below the
-    other, -> csrc/linear.cpp's table of panels for 8-bit activations, int8 [bytes]: int64
-    [1 + 4 P] (P, then per panel its byte offset, type, first output and outputs), then the
-    panels of _k_int8_panels, each at a multiple of 64 bytes."""
-    entries = []  # per panel: type, outputs, bytes
-    for part in parts:
-        kind = SUPER_BLOCK_TYPES[part.shape[2]]
-        size = -(-K_INT8_BYTES[kind] * part.shape[1] // 64) * 64
-        entries += [
-            (K_INT8_TYPES.index(kind), min(PANEL, part.shape[0] - row), size)
-            for row in range(0, part.shape[0], PANEL)
-        ]
-    at = -(-8 * (1 + 4 * len(entries)) // 64) * 64
-    table, offsets, first = [len(entries)], [], 0
-    for kind, outputs, size in entries:
-        table += [at, kind, first, outputs]
-        offsets.append(at)
-        at += size
-        first += outputs
-    blob = np.zeros(at, dtype=np.uint8)
-    blob[: 8 * len(table)] = np.array(table, dtype=np.int64).view(np.uint8)
-    panels = (
-        data for part in parts for chunk in _panel_chunks(part) for data in _k_int8_panels(chunk)
-    )
-    for offset, data in zip(offsets, panels):
-        blob[offset : offset + len(data)] = data
-    return torch.from_numpy(blob).view(torch.int8)
-
-
 def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """Blocks (uint8 [N, K/16 * 24]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
     activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
@@ -247,12 +105,12 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     Q4_0 and Q5_0 beside it in a fused matrix),
     [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
     vpmaddubsw multiplies them in. K-quants (a list of their parts where a fused matrix mixes
-    types) go to pack_k_for_int8."""
+    types) go to csrc/linear.cpp's table of panels (pack_k_quants)."""
     if isinstance(blocks, list) or blocks.dim() == 3:
         parts = blocks if isinstance(blocks, list) else [blocks]
         if any(part.dim() != 3 for part in parts):
             raise ValueError("8-bit activations need the parts of a matrix all in K-quants or none")
-        return pack_k_for_int8(parts)
+        return build("linear").pack_k_quants([part.contiguous() for part in parts])
     codes, scales = block_panels(sub_blocks(blocks))
     if not torch.equal(scales[..., 0, :], scales[..., 1, :]):
         raise ValueError("8-bit activations need blocks with one scale per 32 weights")

@@ -371,7 +371,7 @@ BLOCK_BYTES = {
     "Q6_K": 210,
 }
 # Kept in their own super-blocks of 256 weights, as uint8 [N, K/256, bytes a block]: the
-# kernel decodes them there (linear.pack_super_blocks), at the file's bytes a weight.
+# kernel decodes them there (csrc/linear.cpp, pack_super_blocks), at the file's bytes a weight.
 SUPER_BLOCK_TYPES = {BLOCK_BYTES[kind]: kind for kind in ("Q4_K", "Q5_K", "Q6_K")}
 # Those 8-bit activations (gguf-int8) run on: rows rounded per 32 k, or per 256 for K-quants
 INT8_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")

@@ -208,7 +208,7 @@ struct Codes8H {
   }
 };
 
-// The K-quants in their own super-blocks of 256 k (model/linear.py, pack_super_blocks): a
+// The K-quants in their own super-blocks of 256 k (pack_super_blocks below): a
 // header of the 32 rows' d (fp16), and for Q4_K/Q5_K their dmin, then 8 blocks of 32 k, each
 // with the rows' 6-bit scales (Q6_K: int8, one per 16 k) and Q4_K/Q5_K's mins (uint8), the low
 // 4 bits of the codes laid out as Codes4's, then 8 bytes a k of the codes' high bits (see
@@ -750,7 +750,7 @@ void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const
 // 32 sum(a) comes off each 16 k's sum, for its codes' offset of -32). This kernel makes the
 // same integers, and adds each super-block's two float terms to its output in order, so its
 // rows are batch invariant and the same bits on every CPU. The weights come as a table of
-// panels (model/linear.py, pack_k_for_int8), since the parts of a fused matrix may be of
+// panels (pack_k_quants below), since the parts of a fused matrix may be of
 // different types: int64 [1 + 4 P] (P, then per panel its byte offset, type 0-2 = Q4_K, Q5_K,
 // Q6_K, first output and outputs), then each panel's K/256 super-blocks:
 //   header: the 32 rows' d (fp16); Q4_K/Q5_K then their dmin (fp16).
@@ -1041,6 +1041,184 @@ void k_row(const uint8_t* panel, int64_t j, float* out, int64_t K) {
 }
 
 // Checks a table of K-quant panels (see KLayout) for K inputs; returns its outputs.
+// One super-block (256 k) of a panel's rows as the file stores them (rows past the matrix's
+// last: zeros): d, and dmin, into the header both layouts share; the codes (0-63) and the
+// 6-bit scales and mins (Q6_K: its 16 int8 scales), as llama.cpp's dequantize_row_q*_K reads
+// them.
+template <int kKind>  // 0, 1, 2: Q4_K, Q5_K, Q6_K
+void unpack_k_super(const uint8_t* raw, int64_t rows, int64_t supers, int64_t s, uint8_t* header,
+                    uint8_t (&codes)[kPanel][kSuper], uint8_t (&scales)[kPanel][16]) {
+  constexpr int64_t kRaw = kKind == 0 ? 144 : kKind == 1 ? 176 : 210;  // a file block's bytes
+  std::memset(codes, 0, sizeof codes);
+  std::memset(scales, 0, sizeof scales);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* b = raw + (r * supers + s) * kRaw;
+    uint8_t* q = codes[r];
+    if constexpr (kKind == 2) {  // ql [128], qh [64], int8 scales [16], d
+      std::memcpy(header + 2 * r, b + 208, 2);
+      std::memcpy(scales[r], b + 192, 16);
+      for (int half = 0; half < 2; ++half, q += 128)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t *ql = b + 64 * half + l, hi = b[128 + 32 * half + l];
+          q[l] = (ql[0] & 15) | (hi & 3) << 4;
+          q[l + 32] = (ql[32] & 15) | (hi >> 2 & 3) << 4;
+          q[l + 64] = ql[0] >> 4 | (hi >> 4 & 3) << 4;
+          q[l + 96] = ql[32] >> 4 | (hi >> 6) << 4;
+        }
+    } else {  // d, dmin, 6-bit scales and mins [12], (Q5_K: fifth bits [32]), nibbles [128]
+      std::memcpy(header + 2 * r, b, 2);
+      std::memcpy(header + 2 * kPanel + 2 * r, b + 2, 2);
+      const uint8_t* sm = b + 4;
+      for (int j = 0; j < 4; ++j) {
+        scales[r][j] = sm[j] & 63;
+        scales[r][8 + j] = sm[j + 4] & 63;
+        scales[r][4 + j] = (sm[j + 8] & 15) | (sm[j] >> 6) << 4;
+        scales[r][12 + j] = (sm[j + 8] >> 4) | (sm[j + 4] >> 6) << 4;
+      }
+      const uint8_t* qs = b + (kKind == 1 ? 48 : 16);
+      for (int c = 0; c < 4; ++c)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * c + l] = qs[32 * c + l] & 15;
+          q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+        }
+      if constexpr (kKind == 1)
+        for (int j = 0; j < 8; ++j)
+          for (int l = 0; l < 32; ++l) q[32 * j + l] |= (b[16 + l] >> j & 1) << 4;
+    }
+  }
+}
+
+// A block of 32 k's scales and mins (Q6_K: the scales of its two halves), [2][32 rows].
+void put_k_scales(int kKind, const uint8_t (&scales)[kPanel][16], int64_t j, uint8_t* dst) {
+  for (int64_t r = 0; r < kPanel; ++r) {
+    dst[r] = scales[r][kKind == 2 ? 2 * j : j];
+    dst[kPanel + r] = scales[r][kKind == 2 ? 2 * j + 1 : 8 + j];
+  }
+}
+
+// A panel of K-quant rows -> SuperBlocks' layout (for fp32 activations), super-block by
+// super-block; `dst` is zeros.
+template <int kKind>
+void pack_super_panel(const uint8_t* raw, int64_t rows, int64_t supers, uint8_t* dst) {
+  using W = SuperBlocks<kKind>;
+  uint8_t codes[kPanel][kSuper], scales[kPanel][16];
+  for (int64_t s = 0; s < supers; ++s, dst += W::kHeader + kSuper / kBlock * W::kBytes) {
+    unpack_k_super<kKind>(raw, rows, supers, s, dst, codes, scales);
+    for (int64_t j = 0; j < kSuper / kBlock; ++j) {
+      uint8_t* block = dst + W::kHeader + j * W::kBytes;
+      put_k_scales(kKind, scales, j, block);
+      uint8_t *low = block + W::kScales, *high = low + kBlock * kPanel / 2;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int64_t c = kBlock * j + k;
+        for (int64_t r = 0; r < kPanel / 2; ++r) low[kPanel / 2 * k + r] = (codes[r][c] & 15) | codes[r + 16][c] << 4;
+        for (int64_t r = 0; kKind > 0 && r < 8; ++r)  // byte r: rows r, r + 8, r + 16, r + 24
+          for (int64_t q = 0; q < 4; ++q) high[8 * k + r] |= (codes[8 * q + r][c] >> 4) << (kKind * q);
+      }
+    }
+  }
+}
+
+// A panel of K-quant rows -> KLayout's (for 8-bit activations); `dst` is zeros.
+template <int kKind>
+void pack_k_panel(const uint8_t* raw, int64_t rows, int64_t supers, uint8_t* dst) {
+  using L = KLayout<kKind>;
+  uint8_t codes[kPanel][kSuper], scales[kPanel][16];
+  for (int64_t s = 0; s < supers; ++s, dst += L::kBytes) {
+    unpack_k_super<kKind>(raw, rows, supers, s, dst, codes, scales);
+    for (int64_t j = 0; j < kSuper / kBlock; ++j) {
+      uint8_t* sub = dst + L::kHeader + j * L::kSubBytes;
+      put_k_scales(kKind, scales, j, sub);
+      // Byte 32 g + 4 r + t of [8 k (h)][half] is row 8 g + r's code for k 8 h + 4 half + t.
+      uint8_t order[4][2][128];
+      for (int h = 0; h < 4; ++h)
+        for (int half = 0; half < 2; ++half)
+          for (int row = 0; row < kPanel; ++row)
+            std::memcpy(&order[h][half][4 * row], &codes[row][kBlock * j + 8 * h + 4 * half], 4);
+      uint8_t* low = sub + L::kScales;  // the halves' low nibbles, a byte
+      uint8_t* planes = low + L::kCodes;  // then each high bit, 32 bytes to a movemask
+      for (int h = 0; h < 4; ++h) {
+        for (int i = 0; i < 128; ++i) low[128 * h + i] = (order[h][0][i] & 15) | order[h][1][i] << 4;
+        for (int half = 0; half < 2; ++half)
+          for (int bit = 0; bit < kKind; ++bit, planes += 16)
+            for (int c = 0; c < 4; ++c) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(order[h][half] + 32 * c));
+              const uint32_t mask = _mm256_movemask_epi8(_mm256_slli_epi16(v, 3 - bit));  // bit 4 + bit to 7
+              std::memcpy(planes + 4 * c, &mask, 4);
+            }
+      }
+    }
+  }
+}
+
+// The type of K-quant blocks of `bytes` (0-2: Q4_K, Q5_K, Q6_K), refusing any other.
+int64_t k_kind(const torch::Tensor& blocks) {
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.dim() == 3 && blocks.is_contiguous(),
+              "K-quant blocks: uint8 [N, K/256, bytes], contiguous");
+  const int64_t bytes = blocks.size(2), kind = bytes == 144 ? 0 : bytes == 176 ? 1 : bytes == 210 ? 2 : -1;
+  TORCH_CHECK(kind >= 0, "blocks of ", bytes, " bytes are not Q4_K, Q5_K or Q6_K");
+  return kind;
+}
+
+// K-quant rows (uint8 [N, K/256, bytes], the file's blocks) -> SuperBlocks' panels,
+// uint8 [ceil(N/32), K/256, bytes].
+torch::Tensor pack_super_blocks(const torch::Tensor& blocks) {
+  const int64_t kind = k_kind(blocks), n = blocks.size(0), supers = blocks.size(1), panels = (n + kPanel - 1) / kPanel;
+  const int64_t bytes = kind == 0 ? Q4K::kHeader + 8 * Q4K::kBytes : kind == 1 ? Q5K::kHeader + 8 * Q5K::kBytes : Q6K::kHeader + 8 * Q6K::kBytes;
+  auto out = torch::zeros({panels, supers, bytes}, torch::kUInt8);
+  const uint8_t* raw = blocks.data_ptr<uint8_t>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint8_t* rows = raw + p * kPanel * supers * blocks.size(2);
+      uint8_t* dst = out.data_ptr<uint8_t>() + p * supers * bytes;
+      const int64_t m = std::min(kPanel, n - p * kPanel);
+      if (kind == 0) pack_super_panel<0>(rows, m, supers, dst);
+      else if (kind == 1) pack_super_panel<1>(rows, m, supers, dst);
+      else pack_super_panel<2>(rows, m, supers, dst);
+    }
+  });
+  return out;
+}
+
+// K-quant matrices (uint8 [N_i, K/256, the file's bytes a block], each of Q4_K, Q5_K or Q6_K)
+// one below the other -> the table of panels above, each panel at a multiple of 64 bytes.
+torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts) {
+  struct Panel { int64_t part, kind, first, outputs, at; };
+  std::vector<Panel> panels;
+  TORCH_CHECK(!parts.empty(), "no matrix to pack");
+  const int64_t supers = parts[0].size(1);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto& p = parts[i];
+    const int64_t kind = k_kind(p);
+    TORCH_CHECK(p.size(1) == supers, "parts of a matrix of more than one K");
+    for (int64_t row = 0; row < p.size(0); row += kPanel)
+      panels.push_back({int64_t(i), kind, row, std::min(kPanel, p.size(0) - row), 0});
+  }
+  int64_t at = (8 * (1 + 4 * int64_t(panels.size())) + 63) / 64 * 64, first = 0;
+  for (auto& e : panels) {
+    const int64_t bytes = e.kind == 0 ? KLayout<0>::kBytes : e.kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+    e.at = at;
+    at += (supers * bytes + 63) / 64 * 64;
+  }
+  auto out = torch::zeros({at}, torch::kInt8);
+  auto* w = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  auto* table = reinterpret_cast<int64_t*>(w);
+  table[0] = int64_t(panels.size());
+  for (size_t p = 0; p < panels.size(); first += panels[p].outputs, ++p) {
+    const int64_t entry[4] = {panels[p].at, panels[p].kind, first, panels[p].outputs};
+    std::memcpy(table + 1 + 4 * p, entry, sizeof entry);
+  }
+  at::parallel_for(0, int64_t(panels.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const Panel& e = panels[p];
+      const uint8_t* raw = parts[e.part].data_ptr<uint8_t>() + e.first * supers * parts[e.part].size(2);
+      if (e.kind == 0) pack_k_panel<0>(raw, e.outputs, supers, w + e.at);
+      else if (e.kind == 1) pack_k_panel<1>(raw, e.outputs, supers, w + e.at);
+      else pack_k_panel<2>(raw, e.outputs, supers, w + e.at);
+    }
+  });
+  return out;
+}
+
 int64_t k_table_outputs(const torch::Tensor& packed, int64_t K) {
   const auto* table = reinterpret_cast<const int64_t*>(packed.data_ptr<int8_t>());
   TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && table[0] <= (packed.numel() / 8 - 1) / 4,
@@ -1217,6 +1395,8 @@ torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids,
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others");
   m.def("packed_rows", &packed_rows, "rows of a packed weight of blocks, as fp32");
+  m.def("pack_super_blocks", &pack_super_blocks, "K-quant blocks in panels, for fp32 activations");
+  m.def("pack_k_quants", &pack_k_quants, "K-quant matrices, one below the other, as a table of panels for 8-bit activations");
   // For fused.cpp's decode_layers, which calls it without going through Python.
   m.attr("packed_linear_fn") = py::capsule(reinterpret_cast<void*>(&packed_linear), "kvfence.packed_linear");
 }
