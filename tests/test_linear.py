@@ -213,17 +213,36 @@ def test_gguf_blocks_give_the_fp32_values_bit_for_bit(kernel, kind, magnitude, k
     assert layer.weight is None and layer.packed.shape == (3, k // group, block_bytes)
 
 
-def test_a_fused_matrix_of_two_k_quants_runs_in_sub_blocks(kernel):
+def test_a_fused_matrix_of_k_quants_of_different_types_runs_in_their_blocks(kernel):
     """Q/K/V of Q4_K beside a Q6_K V (llama.cpp's Q4_K_M) share no super-block layout: they
-    meet in sub-blocks, with a scale per 16 weights, and keep the fp32 values' results."""
-    q, q_ref = gguf_weights("Q4_K", 64, 512, 0.1, seed=4)
-    v, v_ref = gguf_weights("Q6_K", 32, 512, 0.1, seed=5)
-    fused = _cat_rows([q, v])
-    assert fused.shape == (96, 512 // 16 * 24)
-    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
-    reference = torch.cat([q_ref, v_ref])
-    assert torch.equal(kernel(x, pack(fused), 96, None), kernel(x, pack(reference), 96, None))
-    assert pack(fused).shape == (3, 512 // 32, 1536)
+    run as one table of panels, each in its own type's layout at about the file's bytes, and
+    keep the fp32 values' results. Parts end mid-panel; rows 1 to 40, both tile paths."""
+    parts = [
+        gguf_weights(kind, n, 512, 0.1, seed=4 + i)
+        for i, (kind, n) in enumerate([("Q4_K", 45), ("Q6_K", 32), ("Q5_K", 64)])
+    ]
+    blocks, reference = [b for b, _ in parts], torch.cat([w for _, w in parts])
+    gen = torch.Generator().manual_seed(4)
+    bias = torch.randn(141, generator=gen)
+    layer = Linear(blocks, bias, torch.float32, torch.device("cpu"), kernel)
+    assert layer.packed.dtype == torch.uint8 and layer.packed.dim() == 1
+    # each part's own layout, a table and 64-byte alignment: under 0.6x the sub-blocks that a
+    # scale per 16 weights would take
+    own = sum(pack(b).numel() for b in blocks)
+    assert own < layer.packed.numel() <= own + 64 * (2 + 5)
+    assert layer.packed.numel() < 0.6 * pack(_cat_rows(blocks)).numel()
+    for m in (1, 3, 5, 13, 40):
+        x = torch.randn(m, 512, generator=gen)
+        assert torch.equal(layer(x), kernel(x, pack(reference), 141, bias))
+    with pytest.raises(RuntimeError, match="K-quant table"):
+        kernel(torch.randn(2, 512), layer.packed, 140, None)
+    # bf16: the same table for small batches, oneDNN on the weights widened for large ones
+    low = Linear(blocks, bias, torch.bfloat16, torch.device("cpu"), kernel)
+    x = torch.randn(ONEDNN_MIN_ROWS - 1, 512, generator=gen)
+    assert torch.equal(low(x), kernel(x, pack(reference), 141, bias).bfloat16())
+    x = torch.randn(ONEDNN_MIN_ROWS + 8, 512, generator=gen)
+    exact = (x.double() @ reference.bfloat16().double().T + bias.double()).float()
+    assert (low(x).float() - exact).abs().max() < 0.3
 
 
 def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
@@ -364,8 +383,8 @@ def test_int8_activations_need_gguf_weights(kernel):
     )
     with pytest.raises(ValueError, match="all in K-quants or none"):
         pack_for_int8([k_quant, q8_0])  # rounded per 256 k and per 32: no one row of codes
-    with pytest.raises(ValueError, match="8-bit activations only"):
-        Linear([k_quant, k_quant], None, torch.float32, torch.device("cpu"), kernel)
+    with pytest.raises(RuntimeError, match="K-quant blocks"):  # parts are K-quants only
+        Linear([k_quant, q8_0], None, torch.float32, torch.device("cpu"), kernel)
     layer = Linear(
         gguf_weights("Q4_1", 64, 96, 0.1, seed=7)[0],
         None,
@@ -414,7 +433,9 @@ def test_int8_activations_on_k_quants_compute_llama_cpp_arithmetic(kernel, kinds
     blocks, w = k_quant_parts(kinds, rows, 512, seed=10)
     packed = pack_for_int8(blocks if len(blocks) > 1 else blocks[0])
     assert packed.dtype == torch.int8 and packed.dim() == 1
-    assert torch.equal(build("linear", "avx2").pack_k_quants(blocks), packed), "AVX2 CPUs' packing"
+    assert torch.equal(build("linear", "avx2").pack_k_quants(blocks, True), packed), (
+        "AVX2 CPUs' packing"
+    )
     gen = torch.Generator().manual_seed(11)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(40, 512, generator=gen)

@@ -118,7 +118,7 @@ MIXES = {
     "k-quants": (
         {"hidden_size": 256, "intermediate_size": 512},
         {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q5_K", "output.weight": "Q6_K", "*": "Q4_K"},
-        ["Q4_K", "Q5_K", "Q6_K"],  # Q/K/V too: Q4_K and Q6_K rows share Q6_K's layout
+        ["Q4_K", "Q5_K", "Q6_K"],  # Q/K/V too: a table of Q4_K and Q6_K panels
         [],
     ),
     "legacy": (
@@ -184,8 +184,9 @@ def test_gguf_type_mixes_run_in_blocks_with_float32s_bits(
             assert model.lm_head.packed.dtype == torch.bfloat16
             assert (model.lm_head.round_to is not None) == (llm is int8)
     if mix == "k-quants":  # a fused Q/K/V of Q4_K and Q6_K rows: one table of both types
-        qkv = int8.engine.runner.model.layers[0].qkv.packed
-        assert qkv.dtype == torch.int8 and qkv.dim() == 1
+        for llm, dtype in ((blocks, torch.uint8), (int8, torch.int8)):
+            qkv = llm.engine.runner.model.layers[0].qkv.packed
+            assert qkv.dtype == dtype and qkv.dim() == 1
     ours, exact = (
         [o.outputs[0].logprobs[0] for o in llm.generate(prompts, params)] for llm in (int8, fp32)
     )

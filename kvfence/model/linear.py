@@ -32,7 +32,7 @@ def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, panels[..., :8].contiguous().view(torch.float32)
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
+def pack(weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """fp32, bf16 or fp16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
     padded), k-major. Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) -> per panel and
     block of 32 k, the 32 rows' scales, their offsets, then the codes k-major. Where every
@@ -42,7 +42,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     have scales of their own (Q6_K), each half's scales and offsets, then bytes (1536).
     K-quant rows (uint8 [N, K/256, bytes], the file's blocks) -> csrc/linear.cpp's
     SuperBlocks, [ceil(N/32), K/256, bytes] (Q4_K: 4,736, 0.58 a weight; Q5_K 6,784; Q6_K
-    6,720), packed there."""
+    6,720), packed there; a list of K-quant parts of different types (a fused matrix) -> its
+    table of those panels, uint8 [bytes] (pack_k_quants)."""
+    if isinstance(weight, list):
+        return build("linear").pack_k_quants([part.contiguous() for part in weight], False)
     if weight.dtype != torch.uint8:
         panels = F.pad(weight, (0, 0, 0, -weight.shape[0] % PANEL)).view(-1, PANEL, weight.shape[1])
         return panels.transpose(1, 2).contiguous()
@@ -110,7 +113,7 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         parts = blocks if isinstance(blocks, list) else [blocks]
         if any(part.dim() != 3 for part in parts):
             raise ValueError("8-bit activations need the parts of a matrix all in K-quants or none")
-        return build("linear").pack_k_quants([part.contiguous() for part in parts])
+        return build("linear").pack_k_quants([part.contiguous() for part in parts], True)
     codes, scales = block_panels(sub_blocks(blocks))
     if not torch.equal(scales[..., 0, :], scales[..., 1, :]):
         raise ValueError("8-bit activations need blocks with one scale per 32 weights")
@@ -190,8 +193,8 @@ class Linear:
         kernel: Callable | None,
         int8_activations: bool = False,
     ):
-        # A list: the parts of a fused matrix in K-quants of different types, which only 8-bit
-        # activations take apart (see loader._cat_rows).
+        # A list: the parts of a fused matrix in K-quants of different types, packed into one
+        # table of panels, each of its own type (see loader._cat_rows).
         parts = weight if isinstance(weight, list) else [weight]
         weight = parts[0] if len(parts) == 1 else weight
         self.out_features = sum(part.shape[0] for part in parts)
@@ -199,8 +202,6 @@ class Linear:
         self.kernel = kernel
         blocks = parts[0].dtype == torch.uint8
         half = parts[0].dtype in HALF_TYPES.values()
-        if len(parts) > 1 and not int8_activations:
-            raise ValueError("a matrix in parts runs with 8-bit activations only")
         if blocks and kernel is None:
             raise RuntimeError(
                 "GGUF blocks run only through the CPU linear kernel, which is unavailable here "
@@ -219,6 +220,8 @@ class Linear:
         )
 
         def unpacked():
+            if blocks and len(parts) > 1:
+                return torch.cat([blocks_to_float(part) for part in parts]).to(device, dtype)
             return (blocks_to_float(weight) if blocks else weight).to(device, dtype)
 
         self.onednn = (

@@ -179,7 +179,7 @@ def _fuse(
 
 def _cat_rows(parts: list[torch.Tensor], keep_parts: bool = False) -> torch.Tensor | list:
     """One matrix of the parts' rows; blocks of different types meet in sub-blocks, or with
-    keep_parts stay a list of K-quant parts (8-bit activations pack each type apart)."""
+    keep_parts stay a list of K-quant parts (the kernel packs each type's panels apart)."""
     if len({p.shape[1:] for p in parts}) > 1:
         if keep_parts and all(p.dim() == 3 for p in parts):
             return [p.contiguous() for p in parts]
@@ -805,7 +805,7 @@ def _load_gguf(
             f"loading {path.name}",
             progress,
             unpermute=config.architecture == "llama",
-            keep_parts=int8,
+            keep_parts=keep_blocks,
         ),
         final_norm=fp32("output_norm.weight"),
         lm_head=embed if head == "token_embd.weight" else read(head),

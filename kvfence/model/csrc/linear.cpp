@@ -363,9 +363,9 @@ TileFn<W> tile_for(int rows, std::integer_sequence<int, MR...>) {
 
 // Rows x[0..rows) times one panel, whose first column is output n.
 template <typename W>
-void panel_tile(int rows, const float* x, const W* panel, const float* bias, float* out, int64_t K, int64_t N, int64_t n) {
+void panel_tile(int rows, const float* x, const W* panel, const float* bias, float* out, int64_t K, int64_t N, int64_t n,
+                int64_t cols) {
   const float* b = bias ? bias + n : nullptr;
-  const int64_t cols = std::min(kPanel, N - n);
   if (rows <= kWideRows) {
     tile_for<W, kPanelVecs>(rows, std::make_integer_sequence<int, kWideRows>{})(
         x, panel, b, out + n, K, N, 0, cols);
@@ -375,28 +375,51 @@ void panel_tile(int rows, const float* x, const W* panel, const float* bias, flo
     tile_for<W, 2>(rows, std::make_integer_sequence<int, kRows>{})(x, panel, b, out + n, K, N, c, cols);
 }
 
+// Rows x[0..M) times one panel, whose outputs n..n + cols are written.
+template <typename W>
+void run_panel(const float* x, const W* w, const float* bias, float* out, int64_t M, int64_t N, int64_t K, int64_t n,
+               int64_t cols) {
+  auto tiles = [&](const auto* panel) {
+    for (int64_t m = 0; m < M; m += kRows)  // the panel stays in cache for every row tile
+      panel_tile(static_cast<int>(std::min<int64_t>(kRows, M - m)), x + m * K, panel, bias, out + m * N, K, N, n, cols);
+  };
+  if constexpr (is_blocks<W>) {
+    if (M > kRows) {  // decode once, not once per row tile: same weights, same bits
+      // Aligned to cache lines, as torch's tensors are: a vector load that straddles two
+      // lines takes two cache accesses, and the tiles make a great many of them.
+      thread_local std::vector<float> decoded;  // kept between calls: no allocation per layer
+      decoded.resize(K * kPanel + 16);
+      float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(decoded.data()) + 63) & ~uintptr_t{63});
+      decode_panel(w, panel, K);
+      tiles(panel);
+      return;
+    }
+  }
+  tiles(w);
+}
+
 template <typename W>
 void run(const float* x, const W* w, int64_t panel_size, const float* bias, float* out, int64_t M, int64_t N, int64_t K) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
-    thread_local std::vector<float> decoded;  // kept between calls: no allocation per layer
+    for (int64_t p = p0; p < p1; ++p)
+      run_panel(x, w + p * panel_size, bias, out, M, N, K, p * kPanel, std::min(kPanel, N - p * kPanel));
+  });
+}
+
+// A table of K-quant panels in SuperBlocks' layout (pack_k_quants below): a fused matrix whose
+// parts are of different K-quant types, each panel run as its type.
+void run_super_table(const float* x, const uint8_t* blob, const float* bias, float* out, int64_t M, int64_t N,
+                     int64_t K) {
+  const auto* table = reinterpret_cast<const int64_t*>(blob);
+  at::parallel_for(0, table[0], 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      auto tiles = [&](const auto* panel) {
-        for (int64_t m = 0; m < M; m += kRows)  // the panel stays in cache for every row tile
-          panel_tile(static_cast<int>(std::min<int64_t>(kRows, M - m)), x + m * K, panel, bias, out + m * N, K, N,
-                     p * kPanel);
-      };
-      if constexpr (is_blocks<W>) {
-        if (M > kRows) {  // decode once, not once per row tile: same weights, same bits
-          // Aligned to cache lines, as torch's tensors are: a vector load that straddles two
-          // lines takes two cache accesses, and the tiles make a great many of them.
-          decoded.resize(K * kPanel + 16);
-          float* panel = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(decoded.data()) + 63) & ~uintptr_t{63});
-          decode_panel(w + p * panel_size, panel, K);
-          tiles(panel);
-          continue;
-        }
-      }
-      tiles(w + p * panel_size);
+      const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
+      if (e[1] == 0)
+        run_panel(x, reinterpret_cast<const Q4K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
+      else if (e[1] == 1)
+        run_panel(x, reinterpret_cast<const Q5K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
+      else
+        run_panel(x, reinterpret_cast<const Q6K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
     }
   });
 }
@@ -1179,9 +1202,18 @@ torch::Tensor pack_super_blocks(const torch::Tensor& blocks) {
   return out;
 }
 
+// A panel's bytes per super-block in a table of K-quant panels: KLayout's (8-bit activations,
+// an int8 table) or SuperBlocks' (fp32 activations, a uint8 table).
+int64_t k_panel_bytes(int64_t kind, bool int8) {
+  if (int8) return kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+  return kind == 0 ? Q4K::kHeader + 8 * Q4K::kBytes : kind == 1 ? Q5K::kHeader + 8 * Q5K::kBytes : Q6K::kHeader + 8 * Q6K::kBytes;
+}
+
 // K-quant matrices (uint8 [N_i, K/256, the file's bytes a block], each of Q4_K, Q5_K or Q6_K)
-// one below the other -> the table of panels above, each panel at a multiple of 64 bytes.
-torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts) {
+// one below the other -> a table of panels, each at a multiple of 64 bytes: int8 [bytes] in
+// KLayout's for 8-bit activations, else uint8 [bytes] in SuperBlocks' (a fused matrix whose
+// parts are of different types, as a Q4_K_M file's Q/K/V).
+torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts, bool int8) {
   struct Panel { int64_t part, kind, first, outputs, at; };
   std::vector<Panel> panels;
   TORCH_CHECK(!parts.empty(), "no matrix to pack");
@@ -1195,12 +1227,11 @@ torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts) {
   }
   int64_t at = (8 * (1 + 4 * int64_t(panels.size())) + 63) / 64 * 64, first = 0;
   for (auto& e : panels) {
-    const int64_t bytes = e.kind == 0 ? KLayout<0>::kBytes : e.kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
     e.at = at;
-    at += (supers * bytes + 63) / 64 * 64;
+    at += (supers * k_panel_bytes(e.kind, int8) + 63) / 64 * 64;
   }
-  auto out = torch::zeros({at}, torch::kInt8);
-  auto* w = reinterpret_cast<uint8_t*>(out.data_ptr<int8_t>());
+  auto out = torch::zeros({at}, int8 ? torch::kInt8 : torch::kUInt8);
+  auto* w = static_cast<uint8_t*>(out.data_ptr());
   auto* table = reinterpret_cast<int64_t*>(w);
   table[0] = int64_t(panels.size());
   for (size_t p = 0; p < panels.size(); first += panels[p].outputs, ++p) {
@@ -1211,22 +1242,25 @@ torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts) {
     for (int64_t p = p0; p < p1; ++p) {
       const Panel& e = panels[p];
       const uint8_t* raw = parts[e.part].data_ptr<uint8_t>() + e.first * supers * parts[e.part].size(2);
-      if (e.kind == 0) pack_k_panel<0>(raw, e.outputs, supers, w + e.at);
-      else if (e.kind == 1) pack_k_panel<1>(raw, e.outputs, supers, w + e.at);
-      else pack_k_panel<2>(raw, e.outputs, supers, w + e.at);
+      uint8_t* dst = w + e.at;
+      if (e.kind == 0) int8 ? pack_k_panel<0>(raw, e.outputs, supers, dst) : pack_super_panel<0>(raw, e.outputs, supers, dst);
+      else if (e.kind == 1) int8 ? pack_k_panel<1>(raw, e.outputs, supers, dst) : pack_super_panel<1>(raw, e.outputs, supers, dst);
+      else int8 ? pack_k_panel<2>(raw, e.outputs, supers, dst) : pack_super_panel<2>(raw, e.outputs, supers, dst);
     }
   });
   return out;
 }
 
+// The outputs of a table of K-quant panels (int8: for 8-bit activations), checking that each
+// panel fits K and the table.
 int64_t k_table_outputs(const torch::Tensor& packed, int64_t K) {
-  const auto* table = reinterpret_cast<const int64_t*>(packed.data_ptr<int8_t>());
+  const auto* table = static_cast<const int64_t*>(packed.data_ptr());
   TORCH_CHECK(K % kSuper == 0 && packed.numel() >= 8 && table[0] > 0 && table[0] <= (packed.numel() / 8 - 1) / 4,
-              "weights: a table of K-quant panels (8-bit activations) for K a multiple of 256");
+              "weights: a table of K-quant panels for K a multiple of 256");
   int64_t n = 0;
   for (int64_t p = 0; p < table[0]; n += table[4 + 4 * p], ++p) {
     const int64_t *e = table + 1 + 4 * p, kind = e[1];
-    const int64_t bytes = kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+    const int64_t bytes = kind >= 0 && kind <= 2 ? k_panel_bytes(kind, packed.scalar_type() == torch::kInt8) : 0;
     // Each panel ends where the next begins (the last, at the end), at a multiple of 64 bytes.
     const int64_t end = p + 1 < table[0] ? e[4] : packed.numel();
     TORCH_CHECK(kind >= 0 && kind <= 2 && e[0] >= 8 * (1 + 4 * table[0]) &&
@@ -1268,6 +1302,11 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     quantize_rows_q8k(xc.data_ptr<float>(), M, K, codes.data(), scales.data(), sums.data(), sums16);
     const Q8KRows rows{codes.data(), scales.data(), sums.data(), sums16, K};
     run_k_int(rows, blob, b, out.data_ptr<float>(), M, N);
+    return out;
+  }
+  if (blocks && packed.dim() == 1 && packed.is_contiguous()) {  // fp32 activations, a table of K-quants
+    TORCH_CHECK(k_table_outputs(packed, K) == N, "weights: a K-quant table of other than ", N, " outputs");
+    if (M > 0) run_super_table(xc.data_ptr<float>(), packed.data_ptr<uint8_t>(), b, out.data_ptr<float>(), M, N, K);
     return out;
   }
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == (N + kPanel - 1) / kPanel,
@@ -1396,7 +1435,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others");
   m.def("packed_rows", &packed_rows, "rows of a packed weight of blocks, as fp32");
   m.def("pack_super_blocks", &pack_super_blocks, "K-quant blocks in panels, for fp32 activations");
-  m.def("pack_k_quants", &pack_k_quants, "K-quant matrices, one below the other, as a table of panels for 8-bit activations");
+  m.def("pack_k_quants", &pack_k_quants, "K-quant matrices, one below the other, as a table of panels (int8: for 8-bit activations)");
   // For fused.cpp's decode_layers, which calls it without going through Python.
   m.attr("packed_linear_fn") = py::capsule(reinterpret_cast<void*>(&packed_linear), "kvfence.packed_linear");
 }
