@@ -242,6 +242,15 @@ using Q4K = SuperBlocks<0>;
 using Q5K = SuperBlocks<1>;
 using Q6K = SuperBlocks<2>;
 
+// f(std::integral_constant<int, kind>) for a K-quant type 0-2 (Q4_K, Q5_K, Q6_K) known at run
+// time: the kernels and the packing take it as a template parameter.
+template <typename F>
+void with_k_kind(int64_t kind, F&& f) {
+  if (kind == 0) f(std::integral_constant<int, 0>{});
+  else if (kind == 1) f(std::integral_constant<int, 1>{});
+  else f(std::integral_constant<int, 2>{});
+}
+
 static_assert(sizeof(Codes8) == 1 && sizeof(Codes4) == 1 && sizeof(Codes4F) == 1 && sizeof(Codes8H) == 1 && sizeof(Q4K) == 1);
 
 template <typename W>
@@ -414,12 +423,10 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
   at::parallel_for(0, table[0], 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
-      if (e[1] == 0)
-        run_panel(x, reinterpret_cast<const Q4K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
-      else if (e[1] == 1)
-        run_panel(x, reinterpret_cast<const Q5K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
-      else
-        run_panel(x, reinterpret_cast<const Q6K*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
+      with_k_kind(e[1], [&](auto k) {
+        using W = SuperBlocks<decltype(k)::value>;
+        run_panel(x, reinterpret_cast<const W*>(blob + e[0]), bias, out, M, N, K, e[2], e[3]);
+      });
     }
   });
 }
@@ -994,12 +1001,7 @@ void run_k_int(const Q8KRows& x, const uint8_t* blob, const float* bias, float* 
       const int64_t* e = table + 1 + 4 * p;  // offset, type, first output, outputs
       const auto seq = std::make_integer_sequence<int, kKRows>{};
       const float* b = bias ? bias + e[2] : nullptr;
-      if (e[1] == 0)
-        k_panel<0>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
-      else if (e[1] == 1)
-        k_panel<1>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
-      else
-        k_panel<2>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]);
+      with_k_kind(e[1], [&](auto k) { k_panel<decltype(k)::value>(seq, x, M, blob + e[0], b, out + e[2], N, e[3]); });
     }
   });
 }
@@ -1063,7 +1065,6 @@ void k_row(const uint8_t* panel, int64_t j, float* out, int64_t K) {
   }
 }
 
-// Checks a table of K-quant panels (see KLayout) for K inputs; returns its outputs.
 // One super-block (256 k) of a panel's rows as the file stores them (rows past the matrix's
 // last: zeros): d, and dmin, into the header both layouts share; the codes (0-63) and the
 // 6-bit scales and mins (Q6_K: its 16 int8 scales), as llama.cpp's dequantize_row_q*_K reads
@@ -1182,11 +1183,18 @@ int64_t k_kind(const torch::Tensor& blocks) {
   return kind;
 }
 
+// A panel's bytes per super-block in a table of K-quant panels: KLayout's (8-bit activations,
+// an int8 table) or SuperBlocks' (fp32 activations, a uint8 table).
+int64_t k_panel_bytes(int64_t kind, bool int8) {
+  if (int8) return kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
+  return kind == 0 ? Q4K::kHeader + 8 * Q4K::kBytes : kind == 1 ? Q5K::kHeader + 8 * Q5K::kBytes : Q6K::kHeader + 8 * Q6K::kBytes;
+}
+
 // K-quant rows (uint8 [N, K/256, bytes], the file's blocks) -> SuperBlocks' panels,
 // uint8 [ceil(N/32), K/256, bytes].
 torch::Tensor pack_super_blocks(const torch::Tensor& blocks) {
   const int64_t kind = k_kind(blocks), n = blocks.size(0), supers = blocks.size(1), panels = (n + kPanel - 1) / kPanel;
-  const int64_t bytes = kind == 0 ? Q4K::kHeader + 8 * Q4K::kBytes : kind == 1 ? Q5K::kHeader + 8 * Q5K::kBytes : Q6K::kHeader + 8 * Q6K::kBytes;
+  const int64_t bytes = k_panel_bytes(kind, false);
   auto out = torch::zeros({panels, supers, bytes}, torch::kUInt8);
   const uint8_t* raw = blocks.data_ptr<uint8_t>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -1194,19 +1202,10 @@ torch::Tensor pack_super_blocks(const torch::Tensor& blocks) {
       const uint8_t* rows = raw + p * kPanel * supers * blocks.size(2);
       uint8_t* dst = out.data_ptr<uint8_t>() + p * supers * bytes;
       const int64_t m = std::min(kPanel, n - p * kPanel);
-      if (kind == 0) pack_super_panel<0>(rows, m, supers, dst);
-      else if (kind == 1) pack_super_panel<1>(rows, m, supers, dst);
-      else pack_super_panel<2>(rows, m, supers, dst);
+      with_k_kind(kind, [&](auto k) { pack_super_panel<decltype(k)::value>(rows, m, supers, dst); });
     }
   });
   return out;
-}
-
-// A panel's bytes per super-block in a table of K-quant panels: KLayout's (8-bit activations,
-// an int8 table) or SuperBlocks' (fp32 activations, a uint8 table).
-int64_t k_panel_bytes(int64_t kind, bool int8) {
-  if (int8) return kind == 0 ? KLayout<0>::kBytes : kind == 1 ? KLayout<1>::kBytes : KLayout<2>::kBytes;
-  return kind == 0 ? Q4K::kHeader + 8 * Q4K::kBytes : kind == 1 ? Q5K::kHeader + 8 * Q5K::kBytes : Q6K::kHeader + 8 * Q6K::kBytes;
 }
 
 // K-quant matrices (uint8 [N_i, K/256, the file's bytes a block], each of Q4_K, Q5_K or Q6_K)
@@ -1242,10 +1241,10 @@ torch::Tensor pack_k_quants(const std::vector<torch::Tensor>& parts, bool int8) 
     for (int64_t p = p0; p < p1; ++p) {
       const Panel& e = panels[p];
       const uint8_t* raw = parts[e.part].data_ptr<uint8_t>() + e.first * supers * parts[e.part].size(2);
-      uint8_t* dst = w + e.at;
-      if (e.kind == 0) int8 ? pack_k_panel<0>(raw, e.outputs, supers, dst) : pack_super_panel<0>(raw, e.outputs, supers, dst);
-      else if (e.kind == 1) int8 ? pack_k_panel<1>(raw, e.outputs, supers, dst) : pack_super_panel<1>(raw, e.outputs, supers, dst);
-      else int8 ? pack_k_panel<2>(raw, e.outputs, supers, dst) : pack_super_panel<2>(raw, e.outputs, supers, dst);
+      with_k_kind(e.kind, [&](auto k) {
+        constexpr int kKind = decltype(k)::value;
+        int8 ? pack_k_panel<kKind>(raw, e.outputs, supers, w + e.at) : pack_super_panel<kKind>(raw, e.outputs, supers, w + e.at);
+      });
     }
   });
   return out;
@@ -1395,9 +1394,7 @@ torch::Tensor int8_rows(const torch::Tensor& packed, const torch::Tensor& ids, i
       }
       const int64_t* e = table + 1 + 4 * lo;
       const int64_t j = id[i] - e[2];
-      if (e[1] == 0) k_row<0>(w + e[0], j, row, K);
-      else if (e[1] == 1) k_row<1>(w + e[0], j, row, K);
-      else k_row<2>(w + e[0], j, row, K);
+      with_k_kind(e[1], [&](auto k) { k_row<decltype(k)::value>(w + e[0], j, row, K); });
     }
   });
   return out;
