@@ -134,11 +134,9 @@ def _read_layers(
     desc: str,
     progress: bool,
     unpermute: bool = False,
-    keep_parts: bool = False,
 ) -> Iterator[LayerWeights]:
     """The layers, read and fused one at a time (the parts go as soon as they are fused).
-    unpermute: Q/K rows in llama.cpp's order for its RoPE, put back in HF order. keep_parts:
-    see _cat_rows."""
+    unpermute: Q/K rows in llama.cpp's order for its RoPE, put back in HF order."""
     for i in tqdm(range(config.num_layers), desc=desc, unit="layer", disable=not progress):
         return_freed_heap()  # what packing the layer before (or the output layer) freed
         p = f"{prefix}{i}."
@@ -148,7 +146,7 @@ def _read_layers(
                 for key in (p + names[name], p + names[f"{name}_bias"]):
                     if key in t:
                         t[key] = _unpermute_rope(t[key], heads)
-        layer = _fuse(config, t, p, names, keep_parts)
+        layer = _fuse(config, t, p, names)
         del t  # the parts fused away go now, not once the caller has packed the layer
         yield layer
 
@@ -158,7 +156,6 @@ def _fuse(
     tensors: dict[str, torch.Tensor],
     prefix: str,
     names: dict[str, str],
-    keep_parts: bool = False,
 ) -> LayerWeights:
     t = {k: tensors[prefix + v] for k, v in names.items() if prefix + v in tensors}
     bias = None
@@ -166,22 +163,22 @@ def _fuse(
         bias = torch.cat([t["q_bias"], t["k_bias"], t["v_bias"]])
     return LayerWeights(
         attn_norm=t["attn_norm"],
-        qkv=_cat_rows([t["q"], t["k"], t["v"]], keep_parts),
+        qkv=_cat_rows([t["q"], t["k"], t["v"]]),
         qkv_bias=bias,
         o=t["o"].contiguous(),
         ffn_norm=t["ffn_norm"],
-        gate_up=_cat_rows([t["gate"], t["up"]], keep_parts),
+        gate_up=_cat_rows([t["gate"], t["up"]]),
         down=t["down"].contiguous(),
         q_norm=t.get("q_norm") if config.qk_norm else None,
         k_norm=t.get("k_norm") if config.qk_norm else None,
     )
 
 
-def _cat_rows(parts: list[torch.Tensor], keep_parts: bool = False) -> torch.Tensor | list:
-    """One matrix of the parts' rows; blocks of different types meet in sub-blocks, or with
-    keep_parts stay a list of K-quant parts (the kernel packs each type's panels apart)."""
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor | list:
+    """One matrix of the parts' rows. K-quant parts of different types stay a list (the kernel
+    packs each type's panels apart); other blocks of different types meet in sub-blocks."""
     if len({p.shape[1:] for p in parts}) > 1:
-        if keep_parts and all(p.dim() == 3 for p in parts):
+        if all(p.dim() == 3 for p in parts):
             return [p.contiguous() for p in parts]
         parts = [sub_blocks(p) for p in parts]
     return torch.cat(parts).contiguous()
@@ -805,7 +802,6 @@ def _load_gguf(
             f"loading {path.name}",
             progress,
             unpermute=config.architecture == "llama",
-            keep_parts=keep_blocks,
         ),
         final_norm=fp32("output_norm.weight"),
         lm_head=embed if head == "token_embd.weight" else read(head),
