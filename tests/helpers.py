@@ -91,6 +91,19 @@ def random_k_quant_blocks(kind: str, n: int, k: int, magnitude: float, seed: int
     return raw.reshape(n, -1)
 
 
+def edited_config(src, dst, drop=(), **edits):
+    """A copy of the HF directory src with config.json's keys edited, and those in `drop`
+    left out."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k not in drop} | edits
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
 def save_tiny_gguf(
     hf_dir, path, tokenizer_gguf, metadata=None, types=None, arch=None, split_max_tensors=0
 ):
@@ -98,8 +111,9 @@ def save_tiny_gguf(
     Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
     metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
     replacing) the architecture's keys, named without the `{arch}.` prefix. types: {suffix of
-    a GGUF tensor name: GGUF type} for linear weights, stored in that type: quantized by gguf-py,
-    or random K-quant blocks (random_k_quant_blocks) in place of the weights; the rest F32.
+    a GGUF tensor name: GGUF type} for linear weights (or a whole name, for any tensor), stored
+    in that type: quantized by gguf-py, or random K-quant blocks (random_k_quant_blocks) in
+    place of the weights; the rest F32.
     arch: the GGUF architecture, where not the one the HF architecture maps to.
     split_max_tensors: split into files of that many tensors, as llama-gguf-split does."""
     import json
@@ -186,7 +200,7 @@ def save_tiny_gguf(
         matches = (
             v
             for k, v in (types or {}).items()
-            if t.ndim == 2 and (k in (name, "*") or name.endswith("." + k))
+            if k == name or (t.ndim == 2 and (k == "*" or name.endswith("." + k)))
         )
         kind = next(matches, "F32")
         if kind in ("Q4_K", "Q5_K", "Q6_K"):

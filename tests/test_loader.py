@@ -13,17 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import save_tiny_gguf, save_tiny_model
+from helpers import edited_config, save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
 from kvfence.model.loader import HALF_TYPES, ModelLoadError, llama3_rope_factors, open_gguf
-
-
-def edited_copy(src, dst, **edits):
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(raw | edits))
-    return dst
 
 
 @pytest.mark.parametrize(
@@ -40,10 +33,18 @@ def edited_copy(src, dst, **edits):
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented"),
         ({"mlp_bias": True}, "mlp_bias = True"),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
+        (
+            {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+            "partial_rotary_factor = 0.5",
+        ),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            "quantization_config.quant_method = 'gptq' is not implemented",
+        ),
     ],
 )
 def test_unimplemented_config_keys_are_refused_by_name(tiny_llama_dir, tmp_path, edits, message):
-    path = edited_copy(tiny_llama_dir, tmp_path / "model", **edits)
+    path = edited_config(tiny_llama_dir, tmp_path / "model", **edits)
     with pytest.raises(ModelLoadError, match=message):
         LLM(str(path))
 
@@ -101,6 +102,90 @@ def test_mistral_context_stops_at_its_sliding_window(tiny_model):
         assert LLM(str(tiny_model("mistral", fmt))).engine.max_model_len == 32
         with pytest.raises(ConfigError, match="over the model's 32 sliding_window"):
             LLM(str(tiny_model("mistral", fmt)), max_model_len=64)
+
+
+def test_mistral_slides_as_transformers_does_without_a_window_or_with_use_sliding_window_off(
+    tiny_model, tmp_path
+):
+    """transformers' Mistral slides every layer, reads no use_sliding_window, and takes a
+    window of 4096 where config.json leaves sliding_window out."""
+    off = edited_config(tiny_model("mistral"), tmp_path / "off", use_sliding_window=False)
+    with pytest.raises(ConfigError, match="over the model's 32 sliding_window"):
+        LLM(str(off), max_model_len=64)
+    missing = edited_config(
+        tiny_model("mistral"),
+        tmp_path / "missing",
+        drop=["sliding_window"],
+        max_position_embeddings=8192,
+    )
+    with pytest.raises(ConfigError, match="over the model's 4096 sliding_window"):
+        LLM(str(missing), max_model_len=5000)
+
+
+def test_kv_heads_that_do_not_divide_the_heads_are_refused(
+    tmp_path_factory, tokenizer, default_model_path
+):
+    """Such a model loaded, ran its prompt, then failed at its first decode step."""
+    path = save_tiny_model(tmp_path_factory, tokenizer, "llama", num_key_value_heads=3)
+    with pytest.raises(
+        ModelLoadError, match="num_key_value_heads = 3 does not divide num_attention_heads = 4"
+    ):
+        LLM(str(path))
+    gguf_path = save_tiny_gguf(path, path.parent / "m.gguf", default_model_path)
+    with pytest.raises(
+        ModelLoadError,
+        match="llama.attention.head_count_kv = 3 does not divide llama.attention.head_count = 4",
+    ):
+        LLM(str(gguf_path))
+
+
+def test_tensors_of_other_shapes_than_the_configuration_are_refused(
+    tiny_llama_dir, default_model_path, tmp_path
+):
+    """A head_dim the configuration gets wrong would read the heads wrong, or fail in the
+    first request: the load names the first tensor that differs, and the configuration."""
+    path = edited_config(tiny_llama_dir, tmp_path / "model", head_dim=32)
+    with pytest.raises(
+        ModelLoadError,
+        match=r"model.layers.0.self_attn.q_proj.weight is \[64, 64\], where the configuration "
+        r"makes it \[128, 64\] \(.* heads of head_dim 32",
+    ):
+        LLM(str(path))
+    metadata = {
+        key: (32, U32)
+        for key in ("attention.key_length", "attention.value_length", "rope.dimension_count")
+    }
+    gguf_path = save_tiny_gguf(tiny_llama_dir, tmp_path / "m.gguf", default_model_path, metadata)
+    with pytest.raises(ModelLoadError, match=r"blk.0.attn_q.weight is \[64, 64\], where"):
+        LLM(str(gguf_path))
+
+
+def test_qwen3s_q_k_norms_go_with_its_gguf_architecture(tiny_model, default_model_path, tmp_path):
+    """As llama.cpp reads them: a qwen3 file without its norms is refused rather than run
+    without them, and a llama file with them is refused rather than run with them."""
+    without = save_tiny_gguf(
+        tiny_model("llama"), tmp_path / "q.gguf", default_model_path, arch="qwen3"
+    )
+    with pytest.raises(ModelLoadError, match=r"lacks tensors \['blk.0.attn_k_norm.weight'"):
+        LLM(str(without))
+    extra = save_tiny_gguf(
+        tiny_model("qwen3"), tmp_path / "l.gguf", default_model_path, arch="llama"
+    )
+    with pytest.raises(ModelLoadError, match=r"does not implement: \['blk.0.attn_k_norm.weight'"):
+        LLM(str(extra))
+
+
+def test_a_bf16_rope_freqs_tensor_is_read_as_its_values(tiny_model, default_model_path, tmp_path):
+    """gguf-py hands BF16 tensors over as raw bytes; they were once counted as two values each."""
+    hf_dir = tiny_model("llama3")
+    f32 = save_tiny_gguf(hf_dir, tmp_path / "f32.gguf", default_model_path)
+    bf16 = save_tiny_gguf(
+        hf_dir, tmp_path / "bf16.gguf", default_model_path, types={"rope_freqs.weight": "BF16"}
+    )
+    exact = torch.tensor(LLM(str(f32)).engine.model_config.rope_factors)
+    rounded = LLM(str(bf16)).engine.model_config.rope_factors
+    assert rounded == tuple(exact.bfloat16().double().tolist())
+    assert rounded != tuple(exact.tolist())  # the rounding shows: BF16 was read, not F32
 
 
 def test_llama3_rope_factors_follow_the_three_bands():
@@ -498,6 +583,10 @@ def test_an_untied_model_without_its_lm_head_is_refused(tiny_llama_dir, tmp_path
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="tie_word_embeddings = False, but .* no lm_head"):
         LLM(str(path))
+    # left out, it is transformers' default, false (it was once taken as tied)
+    left_out = edited_config(path, tmp_path / "left-out", drop=["tie_word_embeddings"])
+    with pytest.raises(ModelLoadError, match="tie_word_embeddings = False, but .* no lm_head"):
+        LLM(str(left_out))
 
 
 def test_a_sharded_model_reads_the_files_its_index_names(tiny_llama_dir, tmp_path):

@@ -1,14 +1,12 @@
 """Our paged forward pass against Hugging Face transformers on the same weights."""
 
-import json
-import shutil
 from collections import defaultdict
 
 import gguf
 import pytest
 import torch
 
-from helpers import save_tiny_gguf
+from helpers import edited_config, save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
 from kvfence.model.tokenizer import apply_chat_template
 
@@ -112,14 +110,6 @@ def test_model_families_match_transformers(arch, fmt, attention, tiny_model):
     compare_batched(llm, hf, TINY_PROMPTS, max_tokens=6, atol=1e-4)
 
 
-def edited_config(src, dst, **edits):
-    """A copy of the HF directory src with config.json's keys edited."""
-    shutil.copytree(src, dst)
-    raw = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(raw | edits))
-    return dst
-
-
 def test_a_llama_gguf_with_qkv_biases_matches_transformers(
     tiny_model, default_model_path, tmp_path
 ):
@@ -156,6 +146,15 @@ def test_rope_parameters_theta_wins_over_the_top_level_one(tiny_llama_dir, tmp_p
         rope_theta=10000.0,
         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
     )
+    compare_batched(tiny_llm(path), hf_float32(path), TINY_PROMPTS, max_tokens=6, atol=1e-4)
+
+
+def test_qwen3_without_head_dim_takes_transformers_default(tmp_path_factory, tokenizer, tmp_path):
+    """Qwen3's config class defaults head_dim to 128, not hidden / heads: a config.json that
+    leaves it out runs as transformers runs it (which once loaded and then failed in the
+    first request)."""
+    saved = save_tiny_model(tmp_path_factory, tokenizer, "qwen3", head_dim=128)
+    path = edited_config(saved, tmp_path / "model", drop=["head_dim"])
     compare_batched(tiny_llm(path), hf_float32(path), TINY_PROMPTS, max_tokens=6, atol=1e-4)
 
 

