@@ -208,12 +208,20 @@ def _check_tensors(path: Path, found: set[str], expected: set[str], ignored=()) 
 
 
 def _check_shapes(
-    path: Path, config: ModelConfig, found: dict[str, tuple], names: dict[str, str], **outer: str
+    path: Path,
+    config: ModelConfig,
+    found: dict[str, tuple],
+    names: dict[str, str],
+    *,
+    prefix: str,
+    embed: str,
+    final_norm: str,
+    head: str,
 ) -> None:
     """Every tensor has the shape the configuration gives it ([rows, columns], or [n]): a
     file whose heads are not the configuration's (a head_dim left out) would otherwise load
-    and then fail in its first request, or run wrong. `names`: a layer's, by role; `outer`:
-    the prefix of the layers' names and the embedding's, final norm's and output layer's."""
+    and then fail in its first request, or run wrong. `names`: a layer's tensors by role,
+    under `prefix` + the layer's number; then the names of the other tensors."""
     c = config
     hidden, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     mlp = c.intermediate_size
@@ -233,13 +241,9 @@ def _check_shapes(
         "q_norm": (c.head_dim,),
         "k_norm": (c.head_dim,),
     }
-    expected = {
-        outer["embed"]: (c.vocab_size, hidden),
-        outer["head"]: (c.vocab_size, hidden),
-        outer["final_norm"]: (hidden,),
-    }
+    expected = {embed: (c.vocab_size, hidden), head: (c.vocab_size, hidden), final_norm: (hidden,)}
     for i in range(c.num_layers):
-        expected |= {f"{outer['prefix']}{i}.{names[k]}": shape for k, shape in by_role.items()}
+        expected |= {f"{prefix}{i}.{names[k]}": shape for k, shape in by_role.items()}
     wrong = [(n, found[n], s) for n, s in expected.items() if n in found and found[n] != s]
     if wrong:
         name, shape, want = wrong[0]
