@@ -267,23 +267,45 @@ def test_bfloat16_runs_small_batches_on_the_gguf_blocks(kernel):
             assert (out.float() - reference.float()).abs().max() < 0.3
 
 
-def int8_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel rounds it: per row and block of 32, codes round(x * 127 / max|x|) (ties
-    to even) times max|x| / 127, in float64."""
-    blocks = x.view(x.shape[0], -1, 32)
-    top = blocks.abs().amax(-1, keepdim=True)
-    codes = torch.round(blocks * torch.where(top > 0, 127 / top, torch.zeros_like(top)))
-    return (codes.double() * (top / 127).double()).view_as(x)
+def int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as llama.cpp's Q8_0 and Q8_1 round it: per row and block of 32, codes
+    a = round(x * (127 / max|x|)) (ties to even), and d = max|x| / 127 (fp32; stored as fp16)."""
+    rows = x.view(x.shape[0], -1, 32)
+    top = rows.abs().amax(-1)
+    return torch.round(rows * torch.where(top > 0, 127 / top, 0)[..., None]), top / 127
+
+
+def block_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Blocks of 32 (uint8 [N, K/16 * 24], gguf_blocks) -> scales s and offsets o [N, K/32] and
+    codes q [N, K/32, 32], w = s q + o (Q8_0: q = code + 128, o = -128 s)."""
+    halves = blocks.view(blocks.shape[0], -1, 2, 24)  # both halves of a block have its s, o
+    header = halves[:, :, 0, :8].contiguous().view(torch.float32)
+    return header[..., 0], header[..., 1], halves[..., 8:].flatten(2).float()
+
+
+def llama_cpp_int8(x: torch.Tensor, blocks: torch.Tensor, q8_1: bool) -> torch.Tensor:
+    """llama.cpp's dot products of rows rounded by int8_rows with blocks of 32, in float64:
+    per block s d16 sum(a q) + o S, d16 the fp16 of d and S d16 sum(a), or with Q8_1's rows
+    (for Q4_1 and Q5_1) the fp16 of d sum(a)."""
+    a, d = int8_rows(x)
+    s, o, q = block_fields(blocks)
+    d16 = d.half().double()
+    total = a.sum(-1)
+    scaled = (d * total).half().double() if q8_1 else d16 * total
+    dots = torch.einsum("mbk,nbk->mnb", a.double(), q.double())
+    return (dots * s.double()[None] * d16[:, None] + o.double()[None] * scaled[:, None]).sum(-1)
 
 
 @pytest.mark.parametrize(
     "kind, block_bytes",
-    [("Q4_0", 640), ("Q4_1", 640), ("Q5_0", 768), ("Q5_1", 768), ("Q8_0", 1088)],
+    [("Q4_0", 576), ("Q4_1", 640), ("Q5_0", 704), ("Q5_1", 768), ("Q8_0", 1088)],
 )
 def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes):
-    """--dtype gguf-int8: rows rounded to 8 bits per block of 32, integer dot products, then
-    the scales. Equal to that arithmetic in float64 up to fp32 rounding, not to the fp32
-    results, and each row gives the same bits in any batch."""
+    """--dtype gguf-int8: rows rounded to 8 bits per block of 32 with fp16 scales (llama.cpp's
+    Q8_1 for Q4_1 and Q5_1, whose offsets take its sums; Q8_0 for the others), integer dot
+    products, then the scales. Equal to that arithmetic in float64 up to fp32 rounding (and
+    the fp16 scales matter: full ones are further off), not to the fp32 results, and each row
+    gives the same bits in any batch. Q4_0 and Q5_0 keep no offsets: the file's bytes."""
     blocks, w = gguf_weights(kind, 70, 96, 0.1, seed=4)
     packed = pack_for_int8(blocks)
     assert packed.dtype == torch.int8 and packed.shape == (3, 3, block_bytes)
@@ -293,8 +315,11 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
     x[3] = 0  # a zero block rounds to codes 0 with scale 0
     x[5, :32] *= 1e3  # an outlier block rounds only itself coarsely
     out = kernel(x, packed, 70, bias)
-    reference = int8_rounded(x) @ w.double().T + bias.double()
+    reference = llama_cpp_int8(x, blocks, kind in ("Q4_1", "Q5_1")) + bias.double()
     torch.testing.assert_close(out.double(), reference, atol=1e-4, rtol=1e-5)
+    a, d = int8_rows(x)
+    full_scales = (a * d[..., None]).view_as(x).double() @ w.double().T + bias.double()
+    assert (full_scales - reference).abs().max() > 10 * (out.double() - reference).abs().max()
     assert torch.equal(out[3], bias)
     exact = kernel(x, pack(blocks), 70, bias)
     assert 1e-3 < (out - exact).abs().max() < 0.1 * exact.abs().max()
@@ -305,6 +330,22 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
         kernel(torch.randn(2, 64), packed, 70, None)
 
 
+def test_int8_activations_take_q4_0_beside_q5_0_with_one_zero_point(kernel):
+    """A fused matrix of Q4_0 and Q5_0 rows keeps no offsets either: Q4_0's codes move up by
+    8 to take Q5_0's zero point of 16, which leaves every weight as it was."""
+    parts = [gguf_weights(kind, 40, 96, 0.1, seed=23) for kind in ("Q4_0", "Q5_0")]
+    blocks = _cat_rows([b for b, _ in parts])
+    packed = pack_for_int8(blocks)
+    assert packed.shape == (3, 3, 704)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(24))
+    torch.testing.assert_close(
+        kernel(x, packed, 80, None).double(), llama_cpp_int8(x, blocks, False), rtol=1e-5, atol=1e-4
+    )
+    w = torch.cat([w for _, w in parts])
+    ids = torch.tensor([0, 39, 40, 79])
+    assert torch.equal(packed_rows_kernel("cpu")(packed, ids, 96), w[ids])
+
+
 def test_int8_activations_take_q8_0_beside_q4_0_and_q5_0(kernel):
     """A fused Q/K/V of Q5_0, Q4_0 and Q8_0 rows (llama.cpp's Q4_K_M of a model whose rows are
     not of 256) runs as one matrix of signed codes; so does a Q4_0 whose offset of -8 scales
@@ -313,11 +354,11 @@ def test_int8_activations_take_q8_0_beside_q4_0_and_q5_0(kernel):
     parts.append(gguf_weights("Q4_0", 32, 96, 5e4, seed=21))
     packed = pack_for_int8(_cat_rows([blocks for blocks, _ in parts]))
     assert packed.shape == (4, 3, 1088)
-    w = torch.cat([w for _, w in parts])
     x = torch.randn(6, 96, generator=torch.Generator().manual_seed(22))
-    reference = int8_rounded(x) @ w.double().T
+    reference = llama_cpp_int8(x, _cat_rows([blocks for blocks, _ in parts]), False)
+    # the large Q4_0's blocks' terms, about 1e4 each, cancel to outputs of about 300
     torch.testing.assert_close(
-        kernel(x, packed, 128, None).double(), reference, rtol=1e-5, atol=1e-3
+        kernel(x, packed, 128, None).double(), reference, rtol=1e-5, atol=1e-2
     )
 
 
@@ -329,20 +370,17 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     """The bits of the 8-bit-activation kernel, whatever its instructions (AVX2's vpmaddubsw
-    or AVX-512 VNNI's vpdpbusd) and tile: codes a = round(x * (127 / max|x|)), d = max|x| / 127
-    per row and block; per block, in k order, acc = fma(sum(a q), s * d, acc), then for 4-bit
-    codes acc = fma(o, d * sum(a), acc); then + bias. The integer sums are exact."""
+    or AVX-512 VNNI's vpdpbusd) and tile: int8_rows' codes a and d16, d's fp16, per row and
+    block; per block, in k order, acc = fma(sum(a q), s * d16, acc), then for 4- and 5-bit
+    codes acc = fma(o, S, acc), S d16 * sum(a) or for Q4_1/Q5_1 the fp16 of d * sum(a); then
+    + bias. The integer sums are exact."""
     blocks, _ = gguf_weights(kind, 70, 96, 0.1, seed=8)
     gen = torch.Generator().manual_seed(9)
     x, bias = torch.randn(13, 96, generator=gen), torch.randn(70, generator=gen)
-    rows = x.view(13, 3, 32)
-    top = rows.abs().amax(-1)
-    a = torch.round(rows * torch.where(top > 0, 127 / top, 0)[..., None])
-    d = top / 127
-    halves = blocks.view(70, 3, 2, 24)  # both halves of a block of 32 have its scale, offset
-    header = halves[:, :, 0, :8].contiguous().view(torch.float32)
-    q = halves[..., 8:].flatten(2).float()
-    s, o = header[..., 0], header[..., 1]
+    a, d = int8_rows(x)
+    d16 = d.half().float()
+    scaled = (d * a.sum(-1)).half().float() if kind in ("Q4_1", "Q5_1") else d16 * a.sum(-1)
+    s, o, q = block_fields(blocks)
     if kind == "Q8_0":  # signed codes q - 128, no offset
         q, o = q - 128, torch.zeros_like(o)
     acc = torch.zeros(13, 70)
@@ -350,13 +388,9 @@ def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
         sums = (
             (a[:, b, None, :].double() * q[None, :, b, :].double()).sum(-1).float()
         )  # exact integers
-        acc = fma(sums, s[None, :, b] * d[:, b, None], acc)
+        acc = fma(sums, s[None, :, b] * d16[:, b, None], acc)
         if kind != "Q8_0":
-            acc = fma(
-                o[None, :, b].expand(13, 70),
-                (d[:, b] * a[:, b].sum(-1))[:, None].expand(13, 70),
-                acc,
-            )
+            acc = fma(o[None, :, b].expand(13, 70), scaled[:, b, None].expand(13, 70), acc)
     expected = acc + bias
     for m in (1, 2, 5, 7, 13):
         assert torch.equal(kernel(x[:m], pack_for_int8(blocks), 70, bias), expected[:m])

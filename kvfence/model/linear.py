@@ -102,13 +102,14 @@ def _in_chunks(blocks: torch.Tensor, packed: Callable) -> torch.Tensor:
 
 def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """Blocks (uint8 [N, K/16 * 24]) -> the int8 layout of csrc/linear.cpp's kernel for 8-bit
-    activations, per panel and block of 32 k: 4-bit codes (Q4_0, Q4_1) with fp16 scales and
-    offsets, [ceil(N/32), K/32, 640]; 5-bit ones (Q5_0, Q5_1), the same and a plane of their
-    fifth bits, [ceil(N/32), K/32, 768]; or signed codes with fp16 scales (Q8_0, with any
-    Q4_0 and Q5_0 beside it in a fused matrix),
-    [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each, the order
-    vpmaddubsw multiplies them in. K-quants (a list of their parts where a fused matrix mixes
-    types) go to csrc/linear.cpp's table of panels (pack_k_quants)."""
+    activations, per panel and block of 32 k: 4-bit codes (Q4_1) with fp16 scales and
+    offsets, [ceil(N/32), K/32, 640]; 5-bit ones (Q5_1), the same and a plane of their
+    fifth bits, [ceil(N/32), K/32, 768]; the same with a zero point of 8 (Q4_0) or 16 (Q5_0,
+    and Q4_0 beside it, its codes moved up by 8) in place of the offsets, 576 and 704 bytes;
+    or signed codes with fp16 scales (Q8_0, with any Q4_0 and Q5_0 beside it in a fused
+    matrix), [ceil(N/32), K/32, 1088]. Columns come in groups of 8 with 4 consecutive k each,
+    the order vpmaddubsw multiplies them in. K-quants (a list of their parts where a fused
+    matrix mixes types) go to csrc/linear.cpp's table of panels (pack_k_quants)."""
     if isinstance(blocks, list) or blocks.dim() == 3:
         parts = blocks if isinstance(blocks, list) else [blocks]
         if any(part.dim() != 3 for part in parts):
@@ -128,12 +129,20 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     def fp16(t):
         return torch.equal(t.half().float(), t)
 
-    if codes.max() < 32 and fp16(scales):
+    # Q4_0 and Q5_0: every offset is -8 or -16 scales (where the block is not all zeros)
+    zeros = torch.where(scale != 0, -offset / scale, 0)
+    zero_point = None
+    if bool(((zeros == 8) | (zeros == 16) | ((scale == 0) & (offset == 0))).all()):
+        zero_point = 16 if bool((zeros == 16).any()) else 8
+        lift = torch.where(scale != 0, zero_point - zeros, 0).to(torch.uint8)
+        codes = codes + lift.view(p, nb, 4, 8, 1)
+    if codes.max() < 32 and fp16(scale) and (zero_point or fp16(offset)):
         # [P, K/32, h, g, j, t, high]
         nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
         low = nibbles & 15
-        parts = [half(scale), half(offset), (low[..., 0] | low[..., 1] << 4).flatten(2)]
-        if codes.max() >= 16:  # fifth bits, per step and nibble: [P, K/32, h, high, g, j, t]
+        parts = [half(scale)] + ([] if zero_point else [half(offset)])
+        parts.append((low[..., 0] | low[..., 1] << 4).flatten(2))
+        if codes.max() >= 16 or zero_point == 16:  # fifth bits: [P, K/32, h, high, g, j, t]
             fifth = (nibbles >> 4).permute(0, 1, 2, 6, 3, 4, 5).reshape(p, nb, 8, 128)
             bits = np.packbits(fifth.numpy(), axis=-1, bitorder="little")
             parts.append(torch.from_numpy(bits).flatten(2))

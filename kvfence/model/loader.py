@@ -796,6 +796,8 @@ def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8:
                 why = "and rounds rows per 256 k for K-quants but per 32 for other types"
             elif "Q8_0" in kinds and kinds & {"Q4_1", "Q5_1"}:
                 why = "and runs Q8_0 as signed codes, which leave no room for Q4_1/Q5_1's offsets"
+            elif kinds & {"Q4_0", "Q5_0"} and kinds & {"Q4_1", "Q5_1"}:
+                why = "and rounds rows as llama.cpp's Q8_0 for Q4_0/Q5_0, as its Q8_1 for Q4_1/Q5_1"
             else:
                 continue
             raise ModelLoadError(

@@ -433,9 +433,11 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 
 // --- 8-bit activations (--dtype gguf-int8): llama.cpp's arithmetic ---------------------
 //
-// Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127),
-// and a block's dot product is computed on integers: x . w ~ d (s sum(a c) + o sum(a)) for
-// w = s c + o: a vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
+// Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127,
+// kept as fp16, as llama.cpp's Q8_0 and Q8_1 rows keep it), and a block's dot product is
+// computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S is d sum(a) (Q8_0's
+// rows, for Q4_0 and Q5_0) or that sum of the unrounded d kept as fp16 (Q8_1's, for Q4_1 and
+// Q5_1, whose offsets llama.cpp multiplies by it): a vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
 // need no conversion to floats, so it outruns the exact path above, most where 512-bit VNNI
 // sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
@@ -444,9 +446,11 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 // weights (int8) [N/32, K/32, bytes]:
 //   4-bit: 32 scales, 32 offsets (fp16), then for each 8 k (h = 0..3) and each 8 columns
 //          (g = 0..3) 32 bytes, byte 4j + t holding column 8g + j's codes for k = 8h + t (low
-//          nibble) and k = 8h + 4 + t (high nibble): 640 bytes.
-//   5-bit (Q5_0, Q5_1): the 4-bit layout, then the codes' fifth bits: per 8 k, low then high
-//          nibble, 128 bits, bit b that of byte b of the step's codes: 768 bytes.
+//          nibble) and k = 8h + 4 + t (high nibble): 640 bytes (Q4_1).
+//   5-bit: the 4-bit layout, then the codes' fifth bits: per 8 k, low then high nibble, 128
+//          bits, bit b that of byte b of the step's codes: 768 bytes (Q5_1).
+//   4- and 5-bit with a zero point: the same without the offsets, which are -8 s (4-bit,
+//          Q4_0) or -16 s (5-bit, Q5_0): 576 and 704 bytes, the file's own.
 //   8-bit: 32 scales (fp16), then for each 4 k (h = 0..7) and 8 columns, byte 4j + t holding
 //          column 8g + j's signed code for k = 4h + t (Q8_0: the offset is 0): 1088 bytes.
 // A vpmaddubsw multiplies 4 k of 8 columns by 4 broadcast codes of a row, summing pairs.
@@ -454,12 +458,28 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 constexpr int64_t kNibbleBlock = 2 * kPanel * 2 + kBlock * kPanel / 2;  // 640
 constexpr int64_t kFiveBitBlock = kNibbleBlock + kBlock * kPanel / 8;    // 768
 constexpr int64_t kByteBlock = kPanel * 2 + kBlock * kPanel;             // 1088
-constexpr int64_t int_block_bytes(int bits) { return bits == 4 ? kNibbleBlock : bits == 5 ? kFiveBitBlock : kByteBlock; }
+constexpr int64_t kNibbleZeroBlock = kNibbleBlock - 2 * kPanel;    // 576
+constexpr int64_t kFiveBitZeroBlock = kFiveBitBlock - 2 * kPanel;  // 704
+// kZero: codes with a zero point (2^(bits - 1)) in place of offsets.
+constexpr int64_t int_block_bytes(int bits, bool zero) {
+  return bits == 8 ? kByteBlock : (bits == 4 ? kNibbleBlock : kFiveBitBlock) - (zero ? 2 * kPanel : 0);
+}
+// The bytes before a block's codes: its scales, and its offsets where it has them.
+constexpr int64_t int_header(int bits, bool zero) { return (bits < 8 && !zero ? 2 : 1) * 2 * kPanel; }
 
-// x [M, K] -> codes [M, K] and, per row and block, d and d * sum(codes).
-// With `unsigned_codes`, the codes are stored as a + 128 (uint8); sum(codes) stays sum(a).
-void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, int8_t* codes, float* scale,
-                   float* scaled_sum) {
+constexpr bool is_int_block(int64_t bytes) {
+  return bytes == kNibbleBlock || bytes == kNibbleZeroBlock || bytes == kFiveBitBlock || bytes == kFiveBitZeroBlock ||
+         bytes == kByteBlock;
+}
+
+// x as the nearest fp16 (ties to even), as llama.cpp stores its rows' scales.
+inline float fp16_rounded(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }
+
+// x [M, K] -> codes [M, K] and, per row and block, d (fp16) and S: d * sum(codes), or with
+// `q8_1` the unrounded d's product kept as fp16. With `unsigned_codes`, the codes are stored as
+// a + 128 (uint8); sum(codes) stays sum(a).
+void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, bool q8_1, int8_t* codes,
+                   float* scale, float* scaled_sum) {
   const int64_t blocks = K / kBlock;
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t b = m0 * blocks; b < m1 * blocks; ++b) {
@@ -485,8 +505,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, in
       if (unsigned_codes) packed = _mm256_xor_si256(packed, _mm256_set1_epi8(-128));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kBlock),
                           _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-      scale[b] = top / 127.f;
-      scaled_sum[b] = scale[b] * static_cast<float>(sum);
+      scale[b] = fp16_rounded(top / 127.f);
+      scaled_sum[b] = q8_1 ? fp16_rounded(top / 127.f * static_cast<float>(sum)) : scale[b] * static_cast<float>(sum);
     }
   });
 }
@@ -649,7 +669,7 @@ void store_tile(const FVec (&acc)[MR][NV], int v0, const float* bias, float* out
 
 // Rows x[0..MR) times the vectors v0..v0+NV of one panel (kIntLanes columns each); writes the
 // columns below `cols` to out[0..MR).
-template <int MR, int NV, int kBits>
+template <int MR, int NV, int kBits, bool kZero>
 void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float* bias, float* out, int64_t N,
               int64_t cols) {
   constexpr bool kNibbles = kBits < 8;
@@ -658,10 +678,10 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = fzero();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * int_block_bytes(kBits);
-    prefetch_ahead(block, int_block_bytes(kBits));
+    const uint8_t* block = panel + b * int_block_bytes(kBits, kZero);
+    prefetch_ahead(block, int_block_bytes(kBits, kZero));
     // Vector v's codes for step h: the 32-byte groups of its 8-column groups, side by side.
-    const uint8_t* codes = block + (kNibbles ? 4 : 2) * kPanel + 32 * (kIntLanes / 8) * v0;
+    const uint8_t* codes = block + int_header(kBits, kZero) + 32 * (kIntLanes / 8) * v0;
     auto codes_at = [&](int h, int v) { return load_codes(codes + (32 * 4) * h + 32 * (kIntLanes / 8) * v); };
     const int8_t* a = x.codes + b * kBlock;
     IVec dot[MR][NV];
@@ -678,7 +698,7 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
           lo[v] = low_nibbles(raw);
           hi[v] = high_nibbles(raw);
           if constexpr (kBits == 5) {  // fifth bits: 128 per nibble of a step, after the codes
-            const uint8_t* fifth = block + 4 * kPanel + kBlock * kPanel / 2 + 2 * h * 16;
+            const uint8_t* fifth = block + int_header(kBits, kZero) + kBlock * kPanel / 2 + 2 * h * 16;
             lo[v] = or_bytes(lo[v], plane_bytes(fifth, v0 + v, 16));
             hi[v] = or_bytes(hi[v], plane_bytes(fifth + 16, v0 + v, 16));
           }
@@ -724,7 +744,9 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
     for (int v = 0; v < NV; ++v) {
       const int64_t j = kIntLanes * (v0 + v);
       const FVec s = fp16s(block + 2 * j);
-      const FVec o = kNibbles ? fp16s(block + 2 * (kPanel + j)) : fzero();
+      const FVec o = !kNibbles ? fzero()
+                     : kZero  ? fmul(s, fset(-static_cast<float>(1 << (kBits - 1))))
+                              : fp16s(block + 2 * (kPanel + j));
       for (int i = 0; i < MR; ++i) {
         const int64_t row_block = i * blocks + b;
         const IVec sums = kBits == 4 ? nibble_sums(dot[i][v]) : dot[i][v];
@@ -742,20 +764,20 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
 constexpr int kIntRows = 4;
 constexpr int kTileVecs = 2;
 
-template <int kBits, int... MR>
+template <int kBits, bool kZero, int... MR>
 void int_panel(int rows, std::integer_sequence<int, MR...>, const QuantizedRows& x, const uint8_t* panel,
                const float* bias, float* out, int64_t N, int64_t cols) {
   using Fn = void (*)(const QuantizedRows&, const uint8_t*, int, const float*, float*, int64_t, int64_t);
-  static constexpr Fn table[] = {int_tile<MR + 1, kTileVecs, kBits>...};
+  static constexpr Fn table[] = {int_tile<MR + 1, kTileVecs, kBits, kZero>...};
   if (rows == 1) {  // the whole panel at once: independent sums to overlap
-    int_tile<1, kIntVecs, kBits>(x, panel, 0, bias, out, N, cols);
+    int_tile<1, kIntVecs, kBits, kZero>(x, panel, 0, bias, out, N, cols);
     return;
   }
   for (int v0 = 0; v0 < kIntVecs && kIntLanes * v0 < cols; v0 += kTileVecs)
     table[rows - 1](x, panel, v0, bias, out, N, cols);
 }
 
-template <int kBits>
+template <int kBits, bool kZero>
 void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const float* bias, float* out, int64_t M,
              int64_t N) {
   at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t p0, int64_t p1) {
@@ -763,7 +785,7 @@ void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const
       const int64_t n = p * kPanel;
       for (int64_t m = 0; m < M; m += kIntRows) {
         const QuantizedRows rows{x.codes + m * x.K, x.scale + m * (x.K / kBlock), x.scaled_sum + m * (x.K / kBlock), x.K};
-        int_panel<kBits>(static_cast<int>(std::min<int64_t>(kIntRows, M - m)), std::make_integer_sequence<int, kIntRows>{},
+        int_panel<kBits, kZero>(static_cast<int>(std::min<int64_t>(kIntRows, M - m)), std::make_integer_sequence<int, kIntRows>{},
                          rows, w + p * panel_size, bias ? bias + n : nullptr, out + m * N + n, N,
                          std::min(kPanel, N - n));
       }
@@ -1025,8 +1047,10 @@ inline int nibble_code(const uint8_t* codes, int64_t j, int64_t k, int planes) {
   return code;
 }
 
-// Row j of a panel of 32-k blocks of `bytes` (kNibbleBlock, kFiveBitBlock or kByteBlock).
+// Row j of a panel of 32-k blocks of `bytes` (one of the 8-bit-activation layouts).
 void int8_row(const uint8_t* panel, int64_t bytes, int64_t j, float* out, int64_t K) {
+  const bool zero = bytes == kNibbleZeroBlock || bytes == kFiveBitZeroBlock;
+  const bool five = bytes == kFiveBitBlock || bytes == kFiveBitZeroBlock;
   for (int64_t b = 0; b < K / kBlock; ++b, out += kBlock) {
     const uint8_t* block = panel + b * bytes;
     const float scale = half_at(block + 2 * j);
@@ -1035,9 +1059,10 @@ void int8_row(const uint8_t* panel, int64_t bytes, int64_t j, float* out, int64_
       for (int64_t k = 0; k < kBlock; ++k) out[k] = scale * codes[128 * (k / 4) + 32 * (j / 8) + 4 * (j % 8) + k % 4];
       continue;
     }
-    const float offset = half_at(block + 2 * (kPanel + j));
+    const float offset = zero ? -(five ? 16.f : 8.f) * scale : half_at(block + 2 * (kPanel + j));
+    const uint8_t* codes = block + int_header(five ? 5 : 4, zero);
     for (int64_t k = 0; k < kBlock; ++k)
-      out[k] = std::fma(scale, static_cast<float>(nibble_code(block + 4 * kPanel, j, k, bytes == kFiveBitBlock)), offset);
+      out[k] = std::fma(scale, static_cast<float>(nibble_code(codes, j, k, five)), offset);
   }
 }
 
@@ -1313,9 +1338,8 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
   const int64_t panel_size = packed.size(1) * packed.size(2);
   if (packed.scalar_type() == torch::kInt8) {  // 8-bit activations
     const int64_t bytes = packed.size(2);
-    TORCH_CHECK(K % kBlock == 0 && packed.size(1) == K / kBlock &&
-                    (bytes == kNibbleBlock || bytes == kFiveBitBlock || bytes == kByteBlock),
-                "weights: [N/32, K/32, 640, 768 or 1088] (blocks for 8-bit activations) for this K");
+    TORCH_CHECK(K % kBlock == 0 && packed.size(1) == K / kBlock && is_int_block(bytes),
+                "weights: [N/32, K/32, 576, 640, 704, 768 or 1088] (blocks for 8-bit activations) for this K");
     if (M == 0) return out;
     // The caller's thread keeps these between calls: at one row a layer's call is so short
     // that allocating them at every call would be a large part of it.
@@ -1324,16 +1348,22 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     codes.resize(M * K);
     scales.resize(2 * M * (K / kBlock));
     float* scaled_sums = scales.data() + M * (K / kBlock);
-    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && bytes == kByteBlock, codes.data(), scales.data(),
-                  scaled_sums);
+    // Q4_1 and Q5_1 (offsets kept) take Q8_1's sums
+    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && bytes == kByteBlock,
+                  bytes == kNibbleBlock || bytes == kFiveBitBlock, codes.data(), scales.data(), scaled_sums);
     const QuantizedRows rows{codes.data(), scales.data(), scaled_sums, K};
     const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
+    float* o = out.data_ptr<float>();
     if (bytes == kNibbleBlock)
-      run_int<4>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+      run_int<4, false>(rows, w, panel_size, b, o, M, N);
+    else if (bytes == kNibbleZeroBlock)
+      run_int<4, true>(rows, w, panel_size, b, o, M, N);
     else if (bytes == kFiveBitBlock)
-      run_int<5>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+      run_int<5, false>(rows, w, panel_size, b, o, M, N);
+    else if (bytes == kFiveBitZeroBlock)
+      run_int<5, true>(rows, w, panel_size, b, o, M, N);
     else
-      run_int<8>(rows, w, panel_size, b, out.data_ptr<float>(), M, N);
+      run_int<8, false>(rows, w, panel_size, b, o, M, N);
     return out;
   }
   // A layout of blocks is told by its bytes per group of blocks (one block, or a super-block).
@@ -1371,9 +1401,7 @@ torch::Tensor int8_rows(const torch::Tensor& packed, const torch::Tensor& ids, i
   const int64_t n = idc.numel(), *id = idc.data_ptr<int64_t>();
   const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
   const int64_t* table = reinterpret_cast<const int64_t*>(w);  // K-quants: panels, in order
-  TORCH_CHECK(packed.dim() == 1 || (packed.size(1) == K / kBlock && K % kBlock == 0 &&
-                                     (packed.size(2) == kNibbleBlock || packed.size(2) == kFiveBitBlock ||
-                                      packed.size(2) == kByteBlock)),
+  TORCH_CHECK(packed.dim() == 1 || (packed.size(1) == K / kBlock && K % kBlock == 0 && is_int_block(packed.size(2))),
               "weights: blocks for 8-bit activations of another K, or of no layout");
   const int64_t rows = packed.dim() == 1 ? k_table_outputs(packed, K) : packed.size(0) * kPanel;
   const int64_t panels = packed.dim() == 1 ? table[0] : 0;
