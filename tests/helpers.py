@@ -110,7 +110,8 @@ def save_tiny_gguf(
     """A HF directory's model as an F32 GGUF file, laid out as llama.cpp's converter writes it:
     Q/K rows permuted for Llama, Llama 3's rope scaling as a rope_freqs tensor, the tokenizer
     metadata copied from `tokenizer_gguf`. metadata: {key: (value, GGUFValueType)} added to (or
-    replacing) the architecture's keys, named without the `{arch}.` prefix. types: {suffix of
+    replacing) the architecture's keys, named without the `{arch}.` prefix, or the tokenizer's,
+    named in full. types: {suffix of
     a GGUF tensor name: GGUF type} for linear weights (or a whole name, for any tensor), stored
     in that type: quantized by gguf-py, or random K-quant blocks (random_k_quant_blocks) in
     place of the weights; the rest F32.
@@ -149,10 +150,14 @@ def save_tiny_gguf(
     if raw.get("sliding_window") and arch == "llama":
         keys["attention.sliding_window"] = (raw["sliding_window"], u32)
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
-    for key, (value, vtype) in (keys | (metadata or {})).items():
-        w.add_key_value(f"{arch}.{key}", value, vtype)
+    own = {
+        key if key.startswith("tokenizer.") else f"{arch}.{key}": kv
+        for key, kv in (keys | (metadata or {})).items()
+    }
+    for key, (value, vtype) in own.items():
+        w.add_key_value(key, value, vtype)
     for field in gguf.GGUFReader(str(tokenizer_gguf)).fields.values():
-        if field.name.startswith("tokenizer."):
+        if field.name.startswith("tokenizer.") and field.name not in own:
             sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
             w.add_key_value(field.name, field.contents(), field.types[0], sub)
 

@@ -72,6 +72,25 @@ U32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
         ({"rope.dimension_count": (8, U32)}, "llama.rope.dimension_count = 8"),
         ({"attention.value_length": (32, U32)}, "llama.attention.value_length = 32"),
         ({"rope.scaling.type": ("yarn", STR)}, "llama.rope.scaling.type = 'yarn'"),
+        # these crashed with a traceback, in the tokenizer's conversion or the configuration
+        (
+            {"tokenizer.ggml.eos_token_id": (49157, U32)},
+            "tokenizer.ggml.eos_token_id = 49157 is past the 49152 tokens",
+        ),
+        ({"attention.head_count": (0, U32)}, "llama.attention.head_count = 0: a positive"),
+        (
+            {"attention.layer_norm_rms_epsilon": ("1e-5", STR)},
+            "llama.attention.layer_norm_rms_epsilon = '1e-5': a positive number",
+        ),
+        # these ran: a token id with no token, text split as GPT-2's
+        (
+            {"vocab_size": (49153, U32)},
+            "llama.vocab_size = 49153, but tokenizer.ggml.tokens has 49152 tokens",
+        ),
+        (
+            {"tokenizer.ggml.pre": ("no-such-split", STR)},
+            "tokenizer.ggml.pre = 'no-such-split' is not implemented",
+        ),
     ],
 )
 def test_unimplemented_gguf_keys_are_refused_by_name(

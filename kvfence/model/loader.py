@@ -313,6 +313,7 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def gguf_model_config(reader) -> ModelConfig:
     from gguf.quants import dequantize
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
 
     def field(key, default=None):
         f = reader.fields.get(key)
@@ -322,23 +323,43 @@ def gguf_model_config(reader) -> ModelConfig:
             return default
         return f.contents()
 
-    def per_model(key, default=None) -> int:
-        """A hyperparameter llama.cpp also takes as an array, a value per layer."""
+    def number(key, default=None, kind=int) -> int | float:
+        """A hyperparameter: a positive number (llama.cpp also takes some as an array, a
+        value per layer)."""
         value = field(key, default)
         if isinstance(value, list):
             raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
-        return int(value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+            raise ModelLoadError(f"{key} = {value!r}: a positive number is needed")
+        return kind(value)
 
-    field("tokenizer.ggml.model")  # kvfence builds the tokenizer from the file's metadata
+    model = field("tokenizer.ggml.model")  # kvfence builds the tokenizer from its metadata
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        raise ModelLoadError("GGUF file lacks 'tokenizer.ggml.tokens'")
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
+    for key in [k for k in reader.fields if re.fullmatch(r"tokenizer\.ggml\.\w+_token_id", k)]:
+        if not 0 <= int(reader.fields[key].contents()) < tokens:
+            raise ModelLoadError(
+                f"{key} = {reader.fields[key].contents()} is past the {tokens} tokens of "
+                f"tokenizer.ggml.tokens"
+            )
+    # transformers splits text as GPT-2 does for a name it does not know, which is right for
+    # GPT-2's and SmolLM's (its vocabulary has no token of several digits) but no other
+    pre = field("tokenizer.ggml.pre", "default")
+    if model == "gpt2" and pre not in (*GGUF_PRE_TOKENIZER_SPLITS, "default", "gpt-2", "smollm"):
+        raise ModelLoadError(
+            f"tokenizer.ggml.pre = '{pre}' is not implemented: transformers would split text "
+            f"as GPT-2 does, not as this vocabulary was trained"
+        )
     arch = field("general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported GGUF architecture '{arch}' "
             f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
         )
-    hidden = int(field(f"{arch}.embedding_length"))
-    heads = per_model(f"{arch}.attention.head_count")
-    head_dim = int(field(f"{arch}.attention.key_length", hidden // heads))
+    hidden = number(f"{arch}.embedding_length")
+    heads = number(f"{arch}.attention.head_count")
+    head_dim = number(f"{arch}.attention.key_length", hidden // heads)
     for key, value in (
         (f"{arch}.attention.value_length", head_dim),
         (f"{arch}.rope.dimension_count", head_dim),
@@ -371,27 +392,30 @@ def gguf_model_config(reader) -> ModelConfig:
             )
         base = rope_factors or (1.0,) * freqs.size
         rope_factors = tuple(float(a * b) for a, b in zip(base, freqs))
-    kv_heads = per_model(f"{arch}.attention.head_count_kv", heads)
+    kv_heads = number(f"{arch}.attention.head_count_kv", heads)
     if heads % kv_heads:
         raise ModelLoadError(
             f"{arch}.attention.head_count_kv = {kv_heads} does not divide "
             f"{arch}.attention.head_count = {heads}"
         )
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab = int(field(f"{arch}.vocab_size", len(tokens.data) if tokens else 0))
+    vocab = number(f"{arch}.vocab_size", tokens)
+    if vocab != tokens:  # llama.cpp's vocabulary is the tokens; the tensors must agree
+        raise ModelLoadError(
+            f"{arch}.vocab_size = {vocab}, but tokenizer.ggml.tokens has {tokens} tokens"
+        )
     window = reader.fields.get(f"{arch}.attention.sliding_window")
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=per_model(f"{arch}.feed_forward_length"),
-        num_layers=int(field(f"{arch}.block_count")),
+        intermediate_size=number(f"{arch}.feed_forward_length"),
+        num_layers=number(f"{arch}.block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(field(f"{arch}.context_length")),
+        rope_theta=number(f"{arch}.rope.freq_base", 10000.0, float),
+        rms_norm_eps=number(f"{arch}.attention.layer_norm_rms_epsilon", kind=float),
+        max_position_embeddings=number(f"{arch}.context_length"),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
         qk_norm=arch == "qwen3",  # as llama.cpp: its tensors are then required, else refused
