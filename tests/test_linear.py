@@ -330,6 +330,45 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
         kernel(torch.randn(2, 64), packed, 70, None)
 
 
+def test_int8_activations_take_q5_0_beside_q5_1_with_q8_1s_sums(kernel):
+    """llama.cpp's Q4_K_S of a model whose rows are not of 256 (the default one's) fuses Q5_0
+    Q and K with a Q5_1 V: one matrix with offsets, every row's offset term taking Q8_1's
+    fp16 sum (llama.cpp takes Q8_0's d16 sum(a) for the Q5_0 rows: fp16 rounding apart)."""
+    parts = [gguf_weights(kind, n, 96, 0.1, seed=25) for kind, n in (("Q5_0", 48), ("Q5_1", 40))]
+    blocks = _cat_rows([b for b, _ in parts])
+    packed = pack_for_int8(blocks)
+    assert packed.shape == (3, 3, 768)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(26))
+    torch.testing.assert_close(
+        kernel(x, packed, 88, None).double(), llama_cpp_int8(x, blocks, True), rtol=1e-5, atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("blank", ["Q5_0", "Q8_0"])
+def test_blocks_of_zeros_do_not_choose_the_layout(kernel, blank):
+    """A block whose scale is 0 is zeros whatever its codes (llama.cpp writes Q5_0's 16 and
+    Q8_0's 128 there): beside Q4_0 and Q5_0 rows it neither takes a zero point nor moves
+    their codes, where it once put Q4_0's codes under Q5_0's zero point."""
+    kinds = ["Q4_0", blank] if blank == "Q5_0" else ["Q4_0", "Q5_0", blank]
+    parts = [gguf_weights(kind, 32, 96, 0.1, seed=27 + i) for i, kind in enumerate(kinds)]
+    raw = parts[-1][0].clone()
+    halves = raw.view(32, -1, 24)
+    halves[:, :, :8] = 0  # scale and offset 0: zeros
+    halves[:, :, 8:] = 16 if blank == "Q5_0" else 128
+    blocks = _cat_rows([b for b, _ in parts[:-1]] + [raw])
+    w = torch.cat([w for _, w in parts[:-1]] + [torch.zeros(32, 96)])
+    packed = pack_for_int8(blocks)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(29))
+    torch.testing.assert_close(
+        kernel(x, packed, w.shape[0], None).double(),
+        llama_cpp_int8(x, blocks, False),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    ids = torch.arange(w.shape[0])
+    assert torch.equal(packed_rows_kernel("cpu")(packed, ids, 96), w)
+
+
 def test_int8_activations_take_q4_0_beside_q5_0_with_one_zero_point(kernel):
     """A fused matrix of Q4_0 and Q5_0 rows keeps no offsets either: Q4_0's codes move up by
     8 to take Q5_0's zero point of 16, which leaves every weight as it was."""
@@ -348,8 +387,8 @@ def test_int8_activations_take_q4_0_beside_q5_0_with_one_zero_point(kernel):
 
 def test_int8_activations_take_q8_0_beside_q4_0_and_q5_0(kernel):
     """A fused Q/K/V of Q5_0, Q4_0 and Q8_0 rows (llama.cpp's Q4_K_M of a model whose rows are
-    not of 256) runs as one matrix of signed codes; so does a Q4_0 whose offset of -8 scales
-    is past fp16's range."""
+    not of 256) runs as one matrix of signed codes, a Q4_0 whose offset of -8 scales is past
+    fp16's range among them."""
     parts = [gguf_weights(kind, 32, 96, 0.1, seed=20) for kind in ("Q5_0", "Q4_0", "Q8_0")]
     parts.append(gguf_weights("Q4_0", 32, 96, 5e4, seed=21))
     packed = pack_for_int8(_cat_rows([blocks for blocks, _ in parts]))

@@ -368,6 +368,32 @@ def test_int8_activations_on_the_q4_k_m_file(q4_k_m_path):
     )
 
 
+def test_int8_activations_on_a_q4_k_s_file(default_model_path, tmp_path):
+    """llama.cpp's Q4_K_S of the default model fuses Q5_0 Q and K with a Q5_1 V in its first
+    layers (rows of 576, not of 256): gguf-int8 runs them as one matrix with offsets."""
+    import llama_cpp
+
+    path = tmp_path / "q4_k_s.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_S
+    params.allow_requantize = True
+    params.nthread = 2
+    assert (
+        llama_cpp.llama_model_quantize(str(default_model_path).encode(), str(path).encode(), params)
+        == 0
+    )
+    assert {t.tensor_type.name for t in gguf.GGUFReader(path).tensors if ".0.attn_" in t.name} >= {
+        "Q5_0",
+        "Q5_1",
+    }
+    small = dict(num_threads=2, max_model_len=1024, num_kv_pages=400)
+    llm = LLM(str(path), dtype="gguf-int8", **small)
+    assert llm.engine.runner.model.layers[0].qkv.packed.shape[2] == 768
+    assert_near_float32_and_batch_invariant(
+        llm, LLM(str(path), **small), min_same_first_token=19, max_logprob_move=0.5
+    )
+
+
 def assert_near_float32_and_batch_invariant(
     llm, real_llm, min_same_first_token: int, max_logprob_move: float
 ):
@@ -387,7 +413,21 @@ def assert_near_float32_and_batch_invariant(
     assert crowd.token_ids == alone.token_ids and crowd.logprobs == alone.logprobs
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "Q4_0",
+        "Q4_1",
+        pytest.param(
+            "Q5_0",
+            marks=pytest.mark.xfail(
+                strict=True, reason="about 0.15 off llama.cpp, cause unknown (docs/precision.md)"
+            ),
+        ),
+        "Q5_1",
+        "Q8_0",
+    ],
+)
 def test_int8_activations_give_llama_cpps_logits(
     kind, tiny_llama_dir, default_model_path, tmp_path
 ):

@@ -129,20 +129,26 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     def fp16(t):
         return torch.equal(t.half().float(), t)
 
-    # Q4_0 and Q5_0: every offset is -8 or -16 scales (where the block is not all zeros)
+    # Q4_0 and Q5_0: every offset is -8 or -16 scales, but in blocks of zeros (scale 0), whose
+    # codes say nothing. One zero point for all: Q4_0's codes move up by 8 beside Q5_0's.
     zeros = torch.where(scale != 0, -offset / scale, 0)
+    blank = ((scale == 0) & (offset == 0)).view(p, nb, 4, 8, 1)
     zero_point = None
-    if bool(((zeros == 8) | (zeros == 16) | ((scale == 0) & (offset == 0))).all()):
+    if bool(((zeros == 8) | (zeros == 16) | blank.view_as(zeros)).all()):
         zero_point = 16 if bool((zeros == 16).any()) else 8
-        lift = torch.where(scale != 0, zero_point - zeros, 0).to(torch.uint8)
-        codes = codes + lift.view(p, nb, 4, 8, 1)
-    if codes.max() < 32 and fp16(scale) and (zero_point or fp16(offset)):
+        lifted = codes.to(torch.int16) + (zero_point - zeros).view(p, nb, 4, 8, 1).to(torch.int16)
+        nibble_codes = torch.where(blank, zero_point, lifted).to(torch.uint8)
+        five = zero_point == 16
+    else:
+        nibble_codes = codes
+        five = bool(codes.max() >= 16)
+    if fp16(scale) and (zero_point or (codes.max() < 32 and fp16(offset))):
         # [P, K/32, h, g, j, t, high]
-        nibbles = codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
+        nibbles = nibble_codes.view(p, nb, 4, 8, 4, 2, 4).permute(0, 1, 4, 2, 3, 6, 5)
         low = nibbles & 15
         parts = [half(scale)] + ([] if zero_point else [half(offset)])
         parts.append((low[..., 0] | low[..., 1] << 4).flatten(2))
-        if codes.max() >= 16 or zero_point == 16:  # fifth bits: [P, K/32, h, high, g, j, t]
+        if five:  # fifth bits, per step and nibble: [P, K/32, h, high, g, j, t]
             fifth = (nibbles >> 4).permute(0, 1, 2, 6, 3, 4, 5).reshape(p, nb, 8, 128)
             bits = np.packbits(fifth.numpy(), axis=-1, bitorder="little")
             parts.append(torch.from_numpy(bits).flatten(2))

@@ -331,17 +331,20 @@ def gguf_model_config(reader) -> ModelConfig:
             raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ModelLoadError(f"{key} = {value!r}: a positive number is needed")
+        if kind is int and value != int(value):
+            raise ModelLoadError(f"{key} = {value!r}: a whole number is needed")
         return kind(value)
 
     model = field("tokenizer.ggml.model")  # kvfence builds the tokenizer from its metadata
     if "tokenizer.ggml.tokens" not in reader.fields:
         raise ModelLoadError("GGUF file lacks 'tokenizer.ggml.tokens'")
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
-    for key in [k for k in reader.fields if re.fullmatch(r"tokenizer\.ggml\.\w+_token_id", k)]:
-        if not 0 <= int(reader.fields[key].contents()) < tokens:
+    for name in ("bos", "eos", "eot", "unknown", "padding"):  # those the tokenizer takes
+        key = f"tokenizer.ggml.{name}_token_id"
+        value = reader.fields[key].contents() if key in reader.fields else 0
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < tokens:
             raise ModelLoadError(
-                f"{key} = {reader.fields[key].contents()} is past the {tokens} tokens of "
-                f"tokenizer.ggml.tokens"
+                f"{key} = {value!r} is not one of the {tokens} tokens of tokenizer.ggml.tokens"
             )
     # transformers splits text as GPT-2 does for a name it does not know, which is right for
     # GPT-2's and SmolLM's (its vocabulary has no token of several digits) but no other
@@ -820,8 +823,6 @@ def _kept_in_blocks(path: Path, config: ModelConfig, linear_tensors: list, int8:
                 why = "and rounds rows per 256 k for K-quants but per 32 for other types"
             elif "Q8_0" in kinds and kinds & {"Q4_1", "Q5_1"}:
                 why = "and runs Q8_0 as signed codes, which leave no room for Q4_1/Q5_1's offsets"
-            elif kinds & {"Q4_0", "Q5_0"} and kinds & {"Q4_1", "Q5_1"}:
-                why = "and rounds rows as llama.cpp's Q8_0 for Q4_0/Q5_0, as its Q8_1 for Q4_1/Q5_1"
             else:
                 continue
             raise ModelLoadError(
@@ -958,11 +959,11 @@ def hf_rope_factors(rope: dict, head_dim: int) -> tuple[float, ...]:
     raise _refuse("rope_scaling.rope_type", kind, "default, linear and llama3 are")
 
 
-def _sliding_window(hf) -> int | None:
-    """The window of the layers that slide, if any do: with layer_types (Qwen), where one
-    is sliding_attention; without (Mistral), every layer's."""
-    layer_types = getattr(hf, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
+def _sliding_window(hf, arch: str) -> int | None:
+    """The window of the layers that slide, if any do: Mistral's every layer (transformers
+    reads no layer_types or use_sliding_window for it); Qwen's where layer_types says so."""
+    layer_types = getattr(hf, "layer_types", None) or ()
+    if arch != "MistralForCausalLM" and "sliding_attention" not in layer_types:
         return None
     return getattr(hf, "sliding_window", None)
 
@@ -974,7 +975,7 @@ def _transformers_config(raw: dict, arch: str):
 
     try:
         return CONFIG_MAPPING[HF_MODEL_TYPES[arch]].from_dict(raw)
-    except (TypeError, ValueError, KeyError) as e:
+    except Exception as e:  # transformers' validation raises its own errors too
         raise ModelLoadError(f"config.json: {e}") from e
 
 
@@ -1006,6 +1007,11 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
             f"num_attention_heads = {heads}"
         )
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    rope = hf.rope_parameters
+    try:
+        theta, rope_factors = float(rope["rope_theta"]), hf_rope_factors(rope, head_dim)
+    except (TypeError, ValueError, KeyError) as e:  # a value of another type, or none
+        raise ModelLoadError(f"config.json: rope parameters {rope}: {e!r}") from e
     return ModelConfig(
         architecture=archs[0],
         vocab_size=hf.vocab_size,
@@ -1015,20 +1021,21 @@ def hf_model_config(raw: dict, generation: dict | None = None) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=float(hf.rope_parameters["rope_theta"]),
+        rope_theta=theta,
         rms_norm_eps=hf.rms_norm_eps,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(hf.tie_word_embeddings),
-        # transformers' Qwen2 always has them, whatever attention_bias says
-        attention_bias=archs[0] == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
+        # transformers' Qwen2 always has them and its Mistral never, whatever attention_bias says
+        attention_bias=archs[0] == "Qwen2ForCausalLM"
+        or (archs[0] != "MistralForCausalLM" and bool(getattr(hf, "attention_bias", False))),
         qk_norm=archs[0] == "Qwen3ForCausalLM",
         eos_token_ids=tuple(
             dict.fromkeys(
                 _ids(raw.get("eos_token_id")) + _ids((generation or {}).get("eos_token_id"))
             )
         ),
-        rope_factors=hf_rope_factors(hf.rope_parameters, head_dim),
-        sliding_window=_sliding_window(hf),
+        rope_factors=rope_factors,
+        sliding_window=_sliding_window(hf, archs[0]),
     )
 
 

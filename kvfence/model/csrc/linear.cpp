@@ -435,9 +435,10 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 //
 // Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127,
 // kept as fp16, as llama.cpp's Q8_0 and Q8_1 rows keep it), and a block's dot product is
-// computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S is d sum(a) (Q8_0's
-// rows, for Q4_0 and Q5_0) or that sum of the unrounded d kept as fp16 (Q8_1's, for Q4_1 and
-// Q5_1, whose offsets llama.cpp multiplies by it): a vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
+// computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S is d sum(a)
+// (Q8_0's rows, for Q4_0 and Q5_0) or that sum of the unrounded d kept as fp16 (Q8_1's, for
+// Q4_1 and Q5_1, whose offsets llama.cpp multiplies by it; a matrix that mixes them takes
+// Q8_1's). A vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
 // need no conversion to floats, so it outruns the exact path above, most where 512-bit VNNI
 // sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
@@ -460,7 +461,7 @@ constexpr int64_t kFiveBitBlock = kNibbleBlock + kBlock * kPanel / 8;    // 768
 constexpr int64_t kByteBlock = kPanel * 2 + kBlock * kPanel;             // 1088
 constexpr int64_t kNibbleZeroBlock = kNibbleBlock - 2 * kPanel;    // 576
 constexpr int64_t kFiveBitZeroBlock = kFiveBitBlock - 2 * kPanel;  // 704
-// kZero: codes with a zero point (2^(bits - 1)) in place of offsets.
+// zero: codes with a zero point (2^(bits - 1)) in place of offsets.
 constexpr int64_t int_block_bytes(int bits, bool zero) {
   return bits == 8 ? kByteBlock : (bits == 4 ? kNibbleBlock : kFiveBitBlock) - (zero ? 2 * kPanel : 0);
 }
