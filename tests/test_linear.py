@@ -330,18 +330,26 @@ def test_int8_activations_compute_llama_cpp_arithmetic(kernel, kind, block_bytes
         kernel(torch.randn(2, 64), packed, 70, None)
 
 
-def test_int8_activations_take_q5_0_beside_q5_1_with_q8_1s_sums(kernel):
-    """llama.cpp's Q4_K_S of a model whose rows are not of 256 (the default one's) fuses Q5_0
-    Q and K with a Q5_1 V: one matrix with offsets, every row's offset term taking Q8_1's
-    fp16 sum (llama.cpp takes Q8_0's d16 sum(a) for the Q5_0 rows: fp16 rounding apart)."""
-    parts = [gguf_weights(kind, n, 96, 0.1, seed=25) for kind, n in (("Q5_0", 48), ("Q5_1", 40))]
+@pytest.mark.parametrize(
+    "kinds, block_bytes, q8_1", [(("Q4_0", "Q5_0"), 704, False), (("Q5_0", "Q5_1"), 768, True)]
+)
+def test_int8_activations_on_fused_matrices_of_32_weight_types(kernel, kinds, block_bytes, q8_1):
+    """Q4_0 beside Q5_0 keeps no offsets either: Q4_0's codes move up by 8 to take Q5_0's zero
+    point of 16, which leaves every weight as it was. Q5_0 beside Q5_1 (llama.cpp's Q4_K_S of
+    a model whose rows are not of 256, the default one's: Q5_0 Q and K, a Q5_1 V) keeps
+    offsets, every row's offset term taking Q8_1's fp16 sum (llama.cpp takes Q8_0's d16
+    sum(a) for the Q5_0 rows: fp16 rounding apart)."""
+    parts = [gguf_weights(kind, n, 96, 0.1, seed=23 + n) for kind, n in zip(kinds, (48, 40))]
     blocks = _cat_rows([b for b, _ in parts])
     packed = pack_for_int8(blocks)
-    assert packed.shape == (3, 3, 768)
-    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(26))
+    assert packed.shape == (3, 3, block_bytes)
+    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(24))
     torch.testing.assert_close(
-        kernel(x, packed, 88, None).double(), llama_cpp_int8(x, blocks, True), rtol=1e-5, atol=1e-4
+        kernel(x, packed, 88, None).double(), llama_cpp_int8(x, blocks, q8_1), rtol=1e-5, atol=1e-4
     )
+    w = torch.cat([w for _, w in parts])
+    ids = torch.tensor([0, 47, 48, 87])
+    assert torch.equal(packed_rows_kernel("cpu")(packed, ids, 96), w[ids])
 
 
 @pytest.mark.parametrize("blank", ["Q5_0", "Q8_0"])
@@ -367,22 +375,6 @@ def test_blocks_of_zeros_do_not_choose_the_layout(kernel, blank):
     )
     ids = torch.arange(w.shape[0])
     assert torch.equal(packed_rows_kernel("cpu")(packed, ids, 96), w)
-
-
-def test_int8_activations_take_q4_0_beside_q5_0_with_one_zero_point(kernel):
-    """A fused matrix of Q4_0 and Q5_0 rows keeps no offsets either: Q4_0's codes move up by
-    8 to take Q5_0's zero point of 16, which leaves every weight as it was."""
-    parts = [gguf_weights(kind, 40, 96, 0.1, seed=23) for kind in ("Q4_0", "Q5_0")]
-    blocks = _cat_rows([b for b, _ in parts])
-    packed = pack_for_int8(blocks)
-    assert packed.shape == (3, 3, 704)
-    x = torch.randn(6, 96, generator=torch.Generator().manual_seed(24))
-    torch.testing.assert_close(
-        kernel(x, packed, 80, None).double(), llama_cpp_int8(x, blocks, False), rtol=1e-5, atol=1e-4
-    )
-    w = torch.cat([w for _, w in parts])
-    ids = torch.tensor([0, 39, 40, 79])
-    assert torch.equal(packed_rows_kernel("cpu")(packed, ids, 96), w[ids])
 
 
 def test_int8_activations_take_q8_0_beside_q4_0_and_q5_0(kernel):
