@@ -155,7 +155,7 @@ def pack_for_int8(blocks: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
         packed = torch.cat(parts, dim=2)
     else:  # Q8_0, and Q4_0 or Q5_0 beside it: signed codes q = code - zero, no offset
         # the code of each block's weight 0, where its type has one (Q8_0 128, Q5_0 16, Q4_0 8)
-        zero = torch.where(scale != 0, -offset / scale, 128).round().clamp(0, 128).to(torch.int16)
+        zero = torch.where(scale != 0, zeros, 128).round().clamp(0, 128).to(torch.int16)
         signed = codes.to(torch.int16) - zero.view(p, nb, 4, 8, 1)
         if not (torch.equal(offset, -zero * scale) and fp16(scale) and signed.max() < 128):
             raise ValueError(

@@ -341,7 +341,9 @@ def gguf_model_config(reader) -> ModelConfig:
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data)
     for name in ("bos", "eos", "eot", "unknown", "padding"):  # those the tokenizer takes
         key = f"tokenizer.ggml.{name}_token_id"
-        value = reader.fields[key].contents() if key in reader.fields else 0
+        if key not in reader.fields:
+            continue
+        value = reader.fields[key].contents()
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < tokens:
             raise ModelLoadError(
                 f"{key} = {value!r} is not one of the {tokens} tokens of tokenizer.ggml.tokens"
