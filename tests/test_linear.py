@@ -402,25 +402,26 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     """The bits of the 8-bit-activation kernel, whatever its instructions (AVX2's vpmaddubsw
     or AVX-512 VNNI's vpdpbusd) and tile: int8_rows' codes a and d16, d's fp16, per row and
-    block; per block, in k order, acc = fma(sum(a q), s * d16, acc), then for 4- and 5-bit
-    codes acc = fma(o, S, acc), S d16 * sum(a) or for Q4_1/Q5_1 the fp16 of d * sum(a); then
-    + bias. The integer sums are exact."""
+    block; per block, in k order, acc = fma(sum(a q), s * d16, acc), q less its zero point
+    for Q8_0, Q4_0 and Q5_0 (128, 8, 16: llama.cpp's signed codes), then for Q4_1/Q5_1
+    acc = fma(o, S, acc), S the fp16 of d * sum(a); then + bias. The integer sums are exact."""
     blocks, _ = gguf_weights(kind, 70, 96, 0.1, seed=8)
     gen = torch.Generator().manual_seed(9)
     x, bias = torch.randn(13, 96, generator=gen), torch.randn(70, generator=gen)
     a, d = int8_rows(x)
     d16 = d.half().float()
-    scaled = (d * a.sum(-1)).half().float() if kind in ("Q4_1", "Q5_1") else d16 * a.sum(-1)
+    scaled = (d * a.sum(-1)).half().float()
     s, o, q = block_fields(blocks)
-    if kind == "Q8_0":  # signed codes q - 128, no offset
-        q, o = q - 128, torch.zeros_like(o)
+    offsets = kind in ("Q4_1", "Q5_1")
+    if not offsets:
+        q = q - {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16}[kind]
     acc = torch.zeros(13, 70)
     for b in range(3):
         sums = (
             (a[:, b, None, :].double() * q[None, :, b, :].double()).sum(-1).float()
         )  # exact integers
         acc = fma(sums, s[None, :, b] * d16[:, b, None], acc)
-        if kind != "Q8_0":
+        if offsets:
             acc = fma(o[None, :, b].expand(13, 70), scaled[:, b, None].expand(13, 70), acc)
     expected = acc + bias
     for m in (1, 2, 5, 7, 13):

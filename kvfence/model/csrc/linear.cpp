@@ -435,10 +435,11 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 //
 // Each row of x is rounded per block of 32 k to int8 codes a with one scale d (max |x| / 127,
 // kept as fp16, as llama.cpp's Q8_0 and Q8_1 rows keep it), and a block's dot product is
-// computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S is d sum(a)
-// (Q8_0's rows, for Q4_0 and Q5_0) or that sum of the unrounded d kept as fp16 (Q8_1's, for
-// Q4_1 and Q5_1, whose offsets llama.cpp multiplies by it; a matrix that mixes them takes
-// Q8_1's). A vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
+// computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S is the sum of
+// the unrounded d kept as fp16 (Q8_1's, for Q4_1 and Q5_1, whose offsets llama.cpp multiplies
+// by it; a matrix that mixes them with Q4_0 or Q5_0 takes it too). Q4_0 and Q5_0's offsets,
+// -8 s and -16 s, come off the integer sum instead, s d sum(a (c - 8)), as llama.cpp's signed
+// codes give it (Q8_0's rows). A vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
 // need no conversion to floats, so it outruns the exact path above, most where 512-bit VNNI
 // sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
@@ -476,11 +477,11 @@ constexpr bool is_int_block(int64_t bytes) {
 // x as the nearest fp16 (ties to even), as llama.cpp stores its rows' scales.
 inline float fp16_rounded(float x) { return _cvtsh_ss(_cvtss_sh(x, 0)); }
 
-// x [M, K] -> codes [M, K] and, per row and block, d (fp16) and S: d * sum(codes), or with
-// `q8_1` the unrounded d's product kept as fp16. With `unsigned_codes`, the codes are stored as
-// a + 128 (uint8); sum(codes) stays sum(a).
-void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, bool q8_1, int8_t* codes,
-                   float* scale, float* scaled_sum) {
+// x [M, K] -> codes [M, K] and, per row and block, d (fp16), sum(codes) and Q8_1's S:
+// fp16(d sum(codes)) with d unrounded. With `unsigned_codes`, the codes are stored as a + 128
+// (uint8); sum(codes) stays sum(a).
+void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, int8_t* codes, float* scale,
+                   int32_t* sums, float* scaled_sum) {
   const int64_t blocks = K / kBlock;
   at::parallel_for(0, M, 4, [&](int64_t m0, int64_t m1) {
     for (int64_t b = m0 * blocks; b < m1 * blocks; ++b) {
@@ -507,7 +508,8 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, bo
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * kBlock),
                           _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
       scale[b] = fp16_rounded(top / 127.f);
-      scaled_sum[b] = q8_1 ? fp16_rounded(top / 127.f * static_cast<float>(sum)) : scale[b] * static_cast<float>(sum);
+      sums[b] = sum;
+      scaled_sum[b] = fp16_rounded(top / 127.f * static_cast<float>(sum));
     }
   });
 }
@@ -515,6 +517,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, bool unsigned_codes, bo
 struct QuantizedRows {
   const int8_t* codes;
   const float* scale;
+  const int32_t* sums;
   const float* scaled_sum;
   int64_t K;
 };
@@ -745,14 +748,15 @@ void int_tile(const QuantizedRows& x, const uint8_t* panel, int v0, const float*
     for (int v = 0; v < NV; ++v) {
       const int64_t j = kIntLanes * (v0 + v);
       const FVec s = fp16s(block + 2 * j);
-      const FVec o = !kNibbles ? fzero()
-                     : kZero  ? fmul(s, fset(-static_cast<float>(1 << (kBits - 1))))
-                              : fp16s(block + 2 * (kPanel + j));
+      constexpr bool kOffsets = kNibbles && !kZero;
+      const FVec o = kOffsets ? fp16s(block + 2 * (kPanel + j)) : fzero();
       for (int i = 0; i < MR; ++i) {
         const int64_t row_block = i * blocks + b;
-        const IVec sums = kBits == 4 ? nibble_sums(dot[i][v]) : dot[i][v];
+        IVec sums = kBits == 4 ? nibble_sums(dot[i][v]) : dot[i][v];
+        // The zero point comes off on integers, as llama.cpp's signed codes q - 8 (q - 16) do.
+        if constexpr (kZero) sums = sub32(sums, words(x.sums[row_block] << (kBits - 1)));
         acc[i][v] = ffma(to_float(sums), fmul(s, fset(x.scale[row_block])), acc[i][v]);
-        if constexpr (kNibbles) acc[i][v] = ffma(o, fset(x.scaled_sum[row_block]), acc[i][v]);
+        if constexpr (kOffsets) acc[i][v] = ffma(o, fset(x.scaled_sum[row_block]), acc[i][v]);
       }
     }
   }
@@ -785,7 +789,8 @@ void run_int(const QuantizedRows& x, const uint8_t* w, int64_t panel_size, const
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n = p * kPanel;
       for (int64_t m = 0; m < M; m += kIntRows) {
-        const QuantizedRows rows{x.codes + m * x.K, x.scale + m * (x.K / kBlock), x.scaled_sum + m * (x.K / kBlock), x.K};
+        const int64_t at = m * (x.K / kBlock);
+        const QuantizedRows rows{x.codes + m * x.K, x.scale + at, x.sums + at, x.scaled_sum + at, x.K};
         int_panel<kBits, kZero>(static_cast<int>(std::min<int64_t>(kIntRows, M - m)), std::make_integer_sequence<int, kIntRows>{},
                          rows, w + p * panel_size, bias ? bias + n : nullptr, out + m * N + n, N,
                          std::min(kPanel, N - n));
@@ -1346,13 +1351,14 @@ torch::Tensor packed_linear(const torch::Tensor& x,       // [M, K] fp32
     // that allocating them at every call would be a large part of it.
     thread_local std::vector<int8_t> codes;
     thread_local std::vector<float> scales;
+    thread_local std::vector<int32_t> sums;
     codes.resize(M * K);
     scales.resize(2 * M * (K / kBlock));
+    sums.resize(M * (K / kBlock));
     float* scaled_sums = scales.data() + M * (K / kBlock);
-    // Q4_1 and Q5_1 (offsets kept) take Q8_1's sums
-    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && bytes == kByteBlock,
-                  bytes == kNibbleBlock || bytes == kFiveBitBlock, codes.data(), scales.data(), scaled_sums);
-    const QuantizedRows rows{codes.data(), scales.data(), scaled_sums, K};
+    quantize_rows(xc.data_ptr<float>(), M, K, kUnsignedRows && bytes == kByteBlock, codes.data(), scales.data(),
+                  sums.data(), scaled_sums);
+    const QuantizedRows rows{codes.data(), scales.data(), sums.data(), scaled_sums, K};
     const auto* w = reinterpret_cast<const uint8_t*>(packed.data_ptr<int8_t>());
     float* o = out.data_ptr<float>();
     if (bytes == kNibbleBlock)
