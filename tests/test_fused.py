@@ -1,5 +1,6 @@
 """The fused element-wise kernel (csrc/fused.cpp) against the PyTorch ops it replaces."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -28,6 +29,21 @@ def test_add_rms_norm_matches_torch(ops, delta_dtype, out_dtype):
     )  # the residual is updated in place, exactly
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2  # bf16: at most one rounding step apart
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
+
+
+def test_add_rms_norm_takes_llama_cpps_scale_exactly(ops):
+    """llama.cpp's rms_norm: the squares summed in double, the mean rounded to float, then
+    1 / sqrtf(mean + eps) rounded once, x * scale * weight. An approximate 1 / sqrt (what
+    -ffast-math makes of it) is an ulp off on some rows, and under gguf-int8 that ulp can move
+    an 8-bit code of x and the logits by 0.1 against llama.cpp's."""
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(512, 64, generator=gen) * 3, torch.randn(64, generator=gen)
+    ours = ops.add_rms_norm(x.clone(), None, weight, 1e-6, torch.float32)
+    xs, w = x.numpy(), weight.numpy()
+    mean = ((xs * xs).astype(np.float64).sum(axis=1) / 64).astype(np.float32)
+    scale = np.float32(1) / np.sqrt(mean + np.float32(1e-6))
+    ref = xs * scale[:, None] * w
+    assert torch.equal(ours, torch.from_numpy(ref))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

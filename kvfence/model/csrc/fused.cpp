@@ -28,13 +28,23 @@ void norm_rows(float* x, const Delta* delta, const float* weight, Out* out, int6
 #pragma omp simd
         for (int64_t h = 0; h < H; ++h) xr[h] += load(dr[h]);
       }
-      float squares = 0.f;
+      // llama.cpp's scale: the squares summed in double, then 1 / sqrt rounded once (written
+      // with intrinsics, which -ffast-math would otherwise approximate with vrsqrtss). Off by
+      // an ulp on some rows, the scale moves gguf-int8's 8-bit rounding of x, and logits by 0.1.
+      double squares = 0.;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t h = 0; h < H; ++h) squares += xr[h] * xr[h];
-      const float inv = 1.f / std::sqrt(squares / H + eps);
+      for (int64_t h = 0; h < H; ++h) squares += static_cast<double>(xr[h] * xr[h]);
+      const __m128 mean = _mm_set_ss(static_cast<float>(squares / H) + eps);
+      const float inv = _mm_cvtss_f32(_mm_div_ss(_mm_set_ss(1.f), _mm_sqrt_ss(mean)));
+      // x * inv, then times the weight, as llama.cpp rounds them: in two passes, which
+      // -ffast-math cannot reorder into (x * weight) * inv.
+      thread_local std::vector<float> scaled;
+      scaled.resize(H);
+#pragma omp simd
+      for (int64_t h = 0; h < H; ++h) scaled[h] = xr[h] * inv;
       Out* orow = out + m * H;
 #pragma omp simd
-      for (int64_t h = 0; h < H; ++h) store(orow + h, xr[h] * inv * weight[h]);
+      for (int64_t h = 0; h < H; ++h) store(orow + h, scaled[h] * weight[h]);
     }
   });
 }
