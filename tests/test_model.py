@@ -364,7 +364,7 @@ def test_int8_activations_on_the_q4_k_m_file(q4_k_m_path):
     assert all(layer.qkv.packed.dtype == torch.int8 for layer in layers)
     exact = LLM(str(q4_k_m_path), **small)
     assert_near_float32_and_batch_invariant(
-        llm, exact, min_same_first_token=20, max_logprob_move=0.3
+        llm, exact, min_same_first_token=19, max_logprob_move=0.3
     )
 
 
@@ -390,7 +390,7 @@ def test_int8_activations_on_a_q4_k_s_file(default_model_path, tmp_path):
     llm = LLM(str(path), dtype="gguf-int8", **small)
     assert llm.engine.runner.model.layers[0].qkv.packed.shape[2] == 768
     assert_near_float32_and_batch_invariant(
-        llm, LLM(str(path), **small), min_same_first_token=19, max_logprob_move=0.5
+        llm, LLM(str(path), **small), min_same_first_token=18, max_logprob_move=0.5
     )
 
 
@@ -413,29 +413,16 @@ def assert_near_float32_and_batch_invariant(
     assert crowd.token_ids == alone.token_ids and crowd.logprobs == alone.logprobs
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "Q4_0",
-        "Q4_1",
-        pytest.param(
-            "Q5_0",
-            marks=pytest.mark.xfail(
-                strict=True, reason="about 0.15 off llama.cpp, cause unknown (docs/precision.md)"
-            ),
-        ),
-        "Q5_1",
-        "Q8_0",
-    ],
-)
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
 def test_int8_activations_give_llama_cpps_logits(
     kind, tiny_llama_dir, default_model_path, tmp_path
 ):
     """gguf-int8 is llama.cpp's arithmetic: on a file in each type, its logits are llama.cpp's
     (llama-cpp-python on the same file, fp32 KV cache) up to fp32 rounding, where those of
-    exact float32 differ by the rounding of the activations. With the rows' scales kept fp32
-    rather than fp16 as llama.cpp's Q8_0 and Q8_1 keep them, the 32-weight types were 0.1 to
-    0.3 off, no closer than float32."""
+    exact float32 differ by the rounding of the activations. Before, three roundings of
+    kvfence's own moved an 8-bit code of x now and then, and with it the logits by 0.1 to 0.3
+    on some prompts: the rows' scales kept fp32 where llama.cpp's Q8_0 and Q8_1 keep fp16,
+    Q4_0 and Q5_0's zero points taken off in float, and RMSNorm's 1 / sqrt approximated."""
     import llama_cpp
 
     path = save_tiny_gguf(
@@ -443,21 +430,29 @@ def test_int8_activations_give_llama_cpps_logits(
     )
     llm = LLM(str(path), dtype="gguf-int8", kv_cache_dtype="float32")
     recorded = record_logits(llm)
-    prompt = "a longer prompt that will need several chunks of prefill"
-    (result,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4))
-    ours = torch.stack(recorded[result.request_id])
-    ids = result.prompt_token_ids + result.outputs[0].token_ids[:-1]
+    prompts = [
+        "a longer prompt that will need several chunks of prefill",
+        "The capital of France is",
+        "x y z w",
+        "Once upon a time there was",
+    ]
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4))
     peer = llama_cpp.Llama(
         model_path=str(path), n_ctx=128, n_threads=2, logits_all=True, type_k=0, type_v=0,
         verbose=False,
     )  # fmt: skip
-    peer.eval(ids)
-    theirs = torch.tensor(peer.scores[len(result.prompt_token_ids) - 1 : len(ids)])
+    theirs = []
+    for result in results:
+        ours = torch.stack(recorded[result.request_id])
+        ids = result.prompt_token_ids + result.outputs[0].token_ids[:-1]
+        peer.reset()
+        peer.eval(ids)
+        theirs.append(torch.tensor(peer.scores[len(result.prompt_token_ids) - 1 : len(ids)]))
+        torch.testing.assert_close(ours, theirs[-1], atol=2e-4, rtol=0)
     peer.close()
-    torch.testing.assert_close(ours, theirs, atol=2e-4, rtol=0)
     exact = record_logits(float32 := LLM(str(path), kv_cache_dtype="float32"))
-    float32.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
-    assert (next(iter(exact.values()))[0] - theirs[0]).abs().max() > 5e-3
+    float32.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))
+    assert (next(iter(exact.values()))[0] - theirs[0][0]).abs().max() > 5e-3
 
 
 def test_fp8_kv_cache_stays_near_float32_and_batch_invariant(real_llm):
