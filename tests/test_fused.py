@@ -1,5 +1,9 @@
 """The fused element-wise kernel (csrc/fused.cpp) against the PyTorch ops it replaces."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -31,19 +35,46 @@ def test_add_rms_norm_matches_torch(ops, delta_dtype, out_dtype):
     torch.testing.assert_close(ours.float(), ref.float(), atol=tol, rtol=tol)
 
 
-def test_add_rms_norm_takes_llama_cpps_scale_exactly(ops):
+NORM_CASES = [(w, d, o) for w in (576, 2048) for d in (None, "bf16") for o in ("fp32", "bf16")]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def norm_inputs(width: int, delta: str | None):
+    gen = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(300, width, generator=gen) * 3, torch.randn(width, generator=gen)
+    d = None if delta is None else torch.randn(300, width, generator=gen).bfloat16()
+    return x, d, weight
+
+
+def norm_outputs(ops) -> list[torch.Tensor]:
+    out = []
+    for width, delta, dtype in NORM_CASES:
+        x, d, weight = norm_inputs(width, delta)
+        out.append(ops.add_rms_norm(x, d, weight, 1e-6, DTYPES[dtype]))
+    return out
+
+
+def test_add_rms_norm_takes_llama_cpps_scale_exactly(ops, tmp_path):
     """llama.cpp's rms_norm: the squares summed in double, the mean rounded to float, then
     1 / sqrtf(mean + eps) rounded once, x * scale * weight. An approximate 1 / sqrt (what
     -ffast-math makes of it) is an ulp off on some rows, and under gguf-int8 that ulp can move
-    an 8-bit code of x and the logits by 0.1 against llama.cpp's."""
-    gen = torch.Generator().manual_seed(2)
-    x, weight = torch.randn(512, 64, generator=gen) * 3, torch.randn(64, generator=gen)
-    ours = ops.add_rms_norm(x.clone(), None, weight, 1e-6, torch.float32)
-    xs, w = x.numpy(), weight.numpy()
-    mean = ((xs * xs).astype(np.float64).sum(axis=1) / 64).astype(np.float32)
-    scale = np.float32(1) / np.sqrt(mean + np.float32(1e-6))
-    ref = xs * scale[:, None] * w
-    assert torch.equal(ours, torch.from_numpy(ref))
+    an 8-bit code of x and the logits by 0.1 against llama.cpp's. Every row, this CPU's build
+    and the AVX2 one (in a process of its own: the two builds cannot share one)."""
+    script = (
+        f"import sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from test_fused import norm_outputs\n"
+        "from kvfence.model.kernels import build\n"
+        f"torch.save(norm_outputs(build('fused', 'avx2')), {str(tmp_path / 'avx2.pt')!r})"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    avx2 = torch.load(tmp_path / "avx2.pt")
+    for (width, delta, out), *built in zip(NORM_CASES, norm_outputs(ops), avx2, strict=True):
+        x, d, weight = norm_inputs(width, delta)
+        xs, w = (x if d is None else x + d.float()).numpy(), weight.numpy()
+        mean = ((xs * xs).astype(np.float64).sum(axis=1) / width).astype(np.float32)
+        scale = np.float32(1) / np.sqrt(mean + np.float32(1e-6))
+        ref = torch.from_numpy(xs * scale[:, None] * w).to(DTYPES[out])
+        assert all(torch.equal(b, ref) for b in built), (width, delta, out)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

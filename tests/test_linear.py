@@ -285,8 +285,9 @@ def block_fields(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 def llama_cpp_int8(x: torch.Tensor, blocks: torch.Tensor, q8_1: bool) -> torch.Tensor:
     """llama.cpp's dot products of rows rounded by int8_rows with blocks of 32, in float64:
-    per block s d16 sum(a q) + o S, d16 the fp16 of d and S d16 sum(a), or with Q8_1's rows
-    (for Q4_1 and Q5_1) the fp16 of d sum(a)."""
+    per block s d16 sum(a q) + o S, d16 the fp16 of d and S d16 sum(a) (for Q4_0 and Q5_0,
+    o = -8 s, -16 s: s d16 sum(a (q - 8)), llama.cpp's signed codes, in exact arithmetic), or
+    with Q8_1's rows (for Q4_1 and Q5_1) the fp16 of d sum(a)."""
     a, d = int8_rows(x)
     s, o, q = block_fields(blocks)
     d16 = d.half().double()
@@ -398,14 +399,20 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_0+Q5_0"])
 def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     """The bits of the 8-bit-activation kernel, whatever its instructions (AVX2's vpmaddubsw
     or AVX-512 VNNI's vpdpbusd) and tile: int8_rows' codes a and d16, d's fp16, per row and
     block; per block, in k order, acc = fma(sum(a q), s * d16, acc), q less its zero point
     for Q8_0, Q4_0 and Q5_0 (128, 8, 16: llama.cpp's signed codes), then for Q4_1/Q5_1
-    acc = fma(o, S, acc), S the fp16 of d * sum(a); then + bias. The integer sums are exact."""
-    blocks, _ = gguf_weights(kind, 70, 96, 0.1, seed=8)
+    acc = fma(o, S, acc), S the fp16 of d * sum(a); then + bias. The integer sums are exact.
+    Q4_0 beside Q5_0 (codes moved up by 8 under Q5_0's zero point) keeps each row's own."""
+    kinds = kind.split("+")
+    sizes = [70] if len(kinds) == 1 else [40, 30]
+    parts = [
+        gguf_weights(k, n, 96, 0.1, seed=8 + i)[0] for i, (k, n) in enumerate(zip(kinds, sizes))
+    ]
+    blocks = parts[0] if len(parts) == 1 else _cat_rows(parts)
     gen = torch.Generator().manual_seed(9)
     x, bias = torch.randn(13, 96, generator=gen), torch.randn(70, generator=gen)
     a, d = int8_rows(x)
@@ -414,7 +421,8 @@ def test_int8_activations_give_the_same_bits_on_every_cpu(kernel, kind):
     s, o, q = block_fields(blocks)
     offsets = kind in ("Q4_1", "Q5_1")
     if not offsets:
-        q = q - {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16}[kind]
+        zero = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16}
+        q = q - torch.cat([torch.full((n, 1, 1), zero[k]) for k, n in zip(kinds, sizes)])
     acc = torch.zeros(13, 70)
     for b in range(3):
         sums = (

@@ -448,7 +448,7 @@ def test_int8_activations_give_llama_cpps_logits(
         peer.reset()
         peer.eval(ids)
         theirs.append(torch.tensor(peer.scores[len(result.prompt_token_ids) - 1 : len(ids)]))
-        torch.testing.assert_close(ours, theirs[-1], atol=2e-4, rtol=0)
+        torch.testing.assert_close(ours, theirs[-1], atol=1e-5, rtol=0)
     peer.close()
     exact = record_logits(float32 := LLM(str(path), kv_cache_dtype="float32"))
     float32.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))
