@@ -437,11 +437,11 @@ void run_super_table(const float* x, const uint8_t* blob, const float* bias, flo
 // kept as fp16, as llama.cpp's Q8_0 and Q8_1 rows keep it), and a block's dot product is
 // computed on integers: x . w ~ s d sum(a c) + o S for w = s c + o, where S = fp16(d sum(a)),
 // d unrounded (Q8_1's, for Q4_1 and Q5_1, whose offsets llama.cpp multiplies by it; a matrix
-// that mixes them with Q4_0 or Q5_0 takes it too). Q4_0 and Q5_0's offsets,
-// -8 s and -16 s, come off the integer sum instead, s d sum(a (c - 8)), as llama.cpp's signed
-// codes give it (Q8_0's rows). A vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the codes
-// need no conversion to floats, so it outruns the exact path above, most where 512-bit VNNI
-// sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
+// that mixes them with Q4_0 or Q5_0 takes it too). Q4_0 and Q5_0's offsets, -8 s and -16 s,
+// come off the integer sum instead, s d sum(a (c - 8)), as llama.cpp's signed codes give it
+// (Q8_0's rows). A vpmaddubsw makes 32 byte products, against 8 or 16 per fp32 FMA, and the
+// codes need no conversion to floats, so it outruns the exact path above, most where 512-bit
+// VNNI sums 16 columns at once (docs/performance.md has the rates). Results are not the fp32
 // ones, but still batch invariant: each row is rounded alone, integer sums do not
 // depend on order, and each output's blocks are added in one order, so every CPU gives the
 // same bits (AVX-512 VNNI sums the codes in fewer instructions, 16 columns at once). Packed
