@@ -33,7 +33,7 @@ from gguf.quants import dequantize, quantize
 
 from kvfence.model.kernels import build, cpu_variant
 from kvfence.model.linear import pack, pack_for_int8
-from kvfence.model.loader import BLOCK_BYTES, INT8_BLOCK_TYPES, gguf_blocks
+from kvfence.model.quant import BLOCK_BYTES, INT8_BLOCK_TYPES, gguf_blocks
 
 
 def blocks_of(kind: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

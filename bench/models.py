@@ -35,7 +35,8 @@ from batched import kvfence_figures, run_llamacpp
 
 from common import flops_per_token, int8_peak_gops, machine_line
 from kvfence import LLM
-from kvfence.model.loader import default_model_path, llama3_rope_factors
+from kvfence.model.arch import llama3_rope_factors
+from kvfence.model.loader import default_model_path
 from kvfence.model.tokenizer import load_tokenizer
 
 # isort: split

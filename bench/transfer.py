@@ -17,6 +17,7 @@ import time
 import torch
 
 from common import machine_line
+from kvfence.audit.capacity import kv_bytes_per_token
 from kvfence.disagg.transfer import KVTransfer, verify
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
@@ -46,7 +47,7 @@ def sender(conn, tokens_list: list[int], page_size: int) -> None:
         nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
     )
     buffers = {
-        tokens: torch.randn(tokens * SMOLLM2.kv_bytes_per_token(4) // 4) for tokens in tokens_list
+        tokens: torch.randn(tokens * kv_bytes_per_token(SMOLLM2, 4) // 4) for tokens in tokens_list
     }
     for buf in buffers.values():
         raw_agent.register_memory(buf)
@@ -83,7 +84,7 @@ def receiver(conn, tokens_list: list[int], page_size: int, repeats: int, out) ->
     )
     for _ in tokens_list:
         tokens, manifests, raw_meta, raw_descs = conn.recv()
-        nbytes = tokens * SMOLLM2.kv_bytes_per_token(4)
+        nbytes = tokens * kv_bytes_per_token(SMOLLM2, 4)
         local = torch.empty(nbytes // 4)
         raw_agent.register_memory(local)
         remote_name = raw_agent.add_remote_agent(raw_meta)

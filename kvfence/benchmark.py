@@ -10,12 +10,13 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
 import httpx
 from tqdm import tqdm
 
 from kvfence import sse
+from kvfence.options import option
 
 WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but "
@@ -24,6 +25,26 @@ WORDS = (
     "after first two like river market engine garden window letter planet signal forest winter "
     "harbor silver machine"
 ).split()
+
+
+@dataclass
+class BenchOptions:
+    base_url: str = option(MISSING, "server root, e.g. http://127.0.0.1:8000", metavar="URL")
+    model: str | None = option(
+        None, "model id (default: the first listed by /v1/models)", metavar="ID"
+    )
+    num_requests: int = option(64, "requests of each pass")
+    concurrency: str = option(
+        "16", "in-flight requests; a comma list runs one pass per level", metavar="N[,N...]"
+    )
+    request_rate: float | None = option(None, "Poisson arrivals per second instead")
+    seed: int = option(0, "seed of the workload")
+    api_key: str | None = option(None, "sent as Authorization: Bearer KEY", metavar="KEY")
+    ignore_eos: bool = option(True, "do not send ignore_eos, for servers that reject it")
+    json: bool = option(False, "print JSON instead of a table")
+    plot: str | None = option(
+        None, "write a PNG of latency against load (needs matplotlib)", metavar="FILE"
+    )
 
 
 @dataclass
@@ -206,28 +227,28 @@ def plot(reports: list[dict], path: str) -> None:
     fig.savefig(path)
 
 
-def main(args) -> int:
-    levels = [int(c) for c in str(args.concurrency).split(",")] if args.concurrency else [None]
+def run_bench(options: BenchOptions) -> int:
+    levels = [int(c) for c in options.concurrency.split(",")] if options.concurrency else [None]
     reports = []
     for level in levels:
         report = asyncio.run(
             run(
-                args.base_url,
-                args.model,
-                args.num_requests,
+                options.base_url,
+                options.model,
+                options.num_requests,
                 level,
-                args.request_rate,
-                args.seed,
-                args.api_key,
-                not args.no_ignore_eos,
-                progress=not args.json,
+                options.request_rate,
+                options.seed,
+                options.api_key,
+                options.ignore_eos,
+                progress=not options.json,
             )
         )
         reports.append(report)
-        if not args.json:
+        if not options.json:
             print(format_table(report))
-    if args.json:
+    if options.json:
         print(json.dumps(reports if len(reports) > 1 else reports[0], indent=2))
-    if args.plot:
-        plot(reports, args.plot)
+    if options.plot:
+        plot(reports, options.plot)
     return 0 if all(r["failed"] == 0 for r in reports) else 1

@@ -1,22 +1,21 @@
 """Engine configuration and the capacity check that refuses to start a pool too small.
 
-Every option is a dataclass field that carries its type (`Literal[...]` for a choice), its
-default and one line of help: kvfence.cli builds the flags and the README's flag table from
-them, and `check_choices` validates every choice from the annotations.
+Every option is a dataclass field declared with kvfence.options.option: kvfence.cli builds the
+flags and the README's flag table from them, and `check_choices` validates every choice from
+the annotations.
 """
 
-import functools
-import math
 import os
-from dataclasses import dataclass, field
-from types import NoneType, UnionType
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from dataclasses import dataclass, fields
+from types import NoneType
+from typing import Any, Literal, get_args
 
 import torch
 
+from kvfence.audit import capacity
 from kvfence.model.config import ModelConfig
+from kvfence.options import field_choices, option, option_types
 
-GIB = 1024**3
 # What the KV pool stores; fp8 is e4m3 with no scale factor (as vLLM's fp8 without calibrated
 # scales).
 KV_CACHE_DTYPES = {
@@ -34,39 +33,17 @@ class ConfigError(ValueError):
     pass
 
 
-def option(default: Any, help: str, *, flag: str | None = None, metavar: str | None = None) -> Any:
-    """A dataclass field that is also a command-line flag. `help` is the flag's line in --help
-    and in the README; `flag` replaces the one derived from the field's name (--max-num-seqs for
-    max_num_seqs, --no-prefix-cache for a bool that is on by default)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "metavar": metavar})
-
-
-@functools.cache
-def option_types(cls: type) -> dict[str, Any]:
-    return get_type_hints(cls)
-
-
-def value_type(annotation: Any) -> Any:
-    """An option's type without the None that means "not given": int for `int | None`."""
-    if get_origin(annotation) in (Union, UnionType):
-        (annotation,) = [a for a in get_args(annotation) if a is not NoneType]
-    return annotation
-
-
-def choices(annotation: Any) -> tuple[str, ...] | None:
-    """The values a `Literal[...]` option allows; None for an option that is not a choice."""
-    kind = value_type(annotation)
-    return get_args(kind) if get_origin(kind) is Literal else None
-
-
 def check_choices(config: Any) -> None:
     """Every choice option of a config dataclass holds one of its values, or None where the
     annotation allows None."""
-    for name, annotation in option_types(type(config)).items():
-        allowed, value = choices(annotation), getattr(config, name)
-        optional = NoneType in get_args(annotation)
-        if allowed is None or value in allowed or (value is None and optional):
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if value is None and NoneType in get_args(option_types(type(config))[f.name]):
             continue
+        allowed = field_choices(type(config), f)
+        if allowed is None or value in allowed:
+            continue
+        name = f.name
         # past four values, "a, b, c or d" reads worse than a plain list
         listed = (
             f"one of {', '.join(allowed)}"
@@ -147,20 +124,11 @@ class EngineConfig:
         "rotate the request log past this size (FILE.1, FILE.2, ...; the chain continues)",
         metavar="MB",
     )
-    inject_fault: (
-        Literal[
-            "legacy-reject-path",
-            "truncated-transfer",
-            "shared-prefix-cache",
-            "stale-lease",
-            "stale-block-reuse",
-            "unwritten-prefix-read",
-        ]
-        | None
-    ) = option(
+    inject_fault: str | None = option(
         None,
-        "TEST ONLY: re-create a known KV leak (engine/faults.py); refused unless "
+        "TEST ONLY: re-create a known KV leak (testing/faults.py); refused unless "
         f"{ALLOW_FAULTS_ENV}=1 is in the environment",
+        choices="kvfence.testing.faults:FAULTS",
     )
     seed: int | None = option(None, "seed of unseeded sampling (default: from the OS)")
 
@@ -235,13 +203,12 @@ class EngineConfig:
 
     def size_pool(self, model: ModelConfig) -> int:
         """Fills in the page count kv_memory_gib holds, once kv_cache_dtype is concrete
-        (resolve_auto); returns the KV bytes per token. `kvfence check-config` sizes the pool
-        through this too."""
-        kv_bytes_per_token = model.kv_bytes_per_token(self.kv_element_size)
+        (resolve_auto); returns the KV bytes per token."""
+        per_token = capacity.kv_bytes_per_token(model, self.kv_element_size)
         if self.num_kv_pages is None:
-            page_bytes = kv_bytes_per_token * self.page_size
-            self.num_kv_pages = int(self.kv_memory_gib * GIB // page_bytes)
-        return kv_bytes_per_token
+            memory = self.kv_memory_gib * capacity.GIB
+            self.num_kv_pages = capacity.pages_in(memory, self.page_size, per_token)
+        return per_token
 
     @property
     def kv_element_size(self) -> int:
@@ -275,14 +242,8 @@ def check_capacity(
     num_pages: int, page_size: int, max_model_len: int, kv_bytes_per_token: int
 ) -> None:
     """The pool must hold one request of the full advertised context, or nothing starts."""
-    capacity = num_pages * page_size
-    if capacity >= max_model_len:
-        return
-    need_pages = math.ceil(max_model_len / page_size)
-    need_gib = need_pages * page_size * kv_bytes_per_token / GIB
-    raise ConfigError(
-        f"KV pool holds {capacity} tokens ({num_pages} pages of {page_size}) but max_model_len is "
-        f"{max_model_len}: a full-context request could not fit. Raise --num-kv-pages to at least "
-        f"{need_pages} (about {need_gib:.2f} GiB of KV; twice that is advised for concurrency) or "
-        f"lower --max-model-len to at most {capacity}."
+    problem = capacity.shortfall(
+        num_pages, page_size, max_model_len, kv_bytes_per_token, "--num-kv-pages", "--max-model-len"
     )
+    if problem:
+        raise ConfigError(problem)

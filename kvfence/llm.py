@@ -34,7 +34,12 @@ class LLM:
         unknown = set(engine_args) - known
         if unknown:
             raise TypeError(f"unknown engine arguments {sorted(unknown)}; known: {sorted(known)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        config, parts = EngineConfig(model=model, **engine_args), None
+        if config.inject_fault:  # test-only; refused without KVFENCE_ALLOW_FAULTS=1
+            from kvfence.testing.faults import inject
+
+            parts = inject(config.inject_fault).parts
+        self.engine = LLMEngine(config, parts=parts)
         self.tokenizer = self.engine.tokenizer
 
     def generate(

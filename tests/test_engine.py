@@ -332,7 +332,7 @@ def test_sentinel_fails_corrupted_requests_and_serves_the_others(tiny_llama_dir)
 def test_unsupported_models_get_a_clear_error(tmp_path):
     import json
 
-    from kvfence.model.loader import ModelLoadError
+    from kvfence.model.config import ModelLoadError
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(ModelLoadError, match="unsupported architecture.*GPT2LMHeadModel"):

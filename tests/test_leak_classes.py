@@ -1,4 +1,4 @@
-"""The known leak classes, each re-created by a test-only fault (engine/faults.py) in real
+"""The known leak classes, each re-created by a test-only fault (testing/faults.py) in real
 servers. With the sentinel off, `kvfence audit` finds each from outside; with it enforcing,
 no response carries another request's KV, the violation is logged and counted, and the
 server goes on serving. The incident replay and truncated transfers are in test_isolation.py
@@ -19,7 +19,7 @@ from helpers import (
     stop_server,
     wait_for_idle_pool,
 )
-from kvfence.engine.faults import LATE_READ_S
+from kvfence.testing.faults import LATE_READ_S
 
 KEY_ARGS = [a for k in TENANT_KEYS for a in ("--api-key", k)]
 ALICE, BOB = ({"Authorization": f"Bearer {k}"} for k in TENANT_KEYS)

@@ -15,9 +15,9 @@ from kvfence.model.linear import (
     pack,
     pack_for_int8,
 )
-from kvfence.model.loader import (
+from kvfence.model.loader import _cat_rows
+from kvfence.model.quant import (
     BLOCK_BYTES,
-    _cat_rows,
     blocks_to_float,
     gguf_blocks,
     k_quant_nibbles,

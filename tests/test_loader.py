@@ -16,7 +16,10 @@ import torch
 from helpers import edited_config, save_tiny_gguf, save_tiny_model
 from kvfence import LLM, SamplingParams
 from kvfence.config import ConfigError
-from kvfence.model.loader import HALF_TYPES, ModelLoadError, llama3_rope_factors, open_gguf
+from kvfence.model.arch import llama3_rope_factors
+from kvfence.model.config import ModelLoadError
+from kvfence.model.gguf import open_gguf
+from kvfence.model.quant import HALF_TYPES
 
 
 @pytest.mark.parametrize(
@@ -335,12 +338,12 @@ def test_a_model_that_would_not_fit_is_refused_before_it_is_read(
     """Under --dtype gguf, the weights' size once loaded (blocks kept, the rest as fp32) is
     checked against the memory available before a tensor is read; over it, the error names
     the sizes and what would be dequantized."""
-    from kvfence.model import loader
+    from kvfence.model import memory
 
     path = save_tiny_gguf(
         tiny_llama_dir, tmp_path / "m.gguf", default_model_path, types={"*": "Q8_0"}
     )
-    monkeypatch.setattr(loader, "_available_memory", lambda: 1024)
+    monkeypatch.setattr(memory, "_available_memory", lambda: 1024)
     with pytest.raises(
         ModelLoadError,
         match=r"would take about [\d.]+ [KM]iB once loaded, [\d.]+ [KM]iB of it dequantized to "
@@ -638,7 +641,7 @@ def test_a_sharded_model_reads_the_files_its_index_names(tiny_llama_dir, tmp_pat
 
 
 def test_a_gguf_file_without_a_tokenizer_is_refused_before_its_weights(tiny_model):
-    from kvfence.model.loader import gguf_model_config
+    from kvfence.model.arch import gguf_model_config
 
     reader = open_gguf(tiny_model("llama", "gguf"))
     del reader.fields["tokenizer.ggml.model"]

@@ -474,7 +474,7 @@ def test_fp8_kv_cache_stays_near_float32_and_batch_invariant(real_llm):
 
 
 def test_gguf_dtype_needs_a_gguf_file(tiny_llama_dir):
-    from kvfence.model.loader import ModelLoadError
+    from kvfence.model.config import ModelLoadError
 
     assert LLM(str(tiny_llama_dir)).engine.config.dtype == "float32"  # auto, on safetensors
     with pytest.raises(

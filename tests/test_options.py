@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from kvfence.audit.capacity import kv_bytes_per_token
 from kvfence.cli import build_parser, config_from, flag_of, flags_markdown
-from kvfence.config import ConfigError, EngineConfig, choices, option_types, value_type
+from kvfence.config import ConfigError, EngineConfig
 from kvfence.model.config import ModelConfig
+from kvfence.options import field_choices, option_types, value_type
 from kvfence.server.options import ServerConfig
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -120,7 +122,7 @@ def test_readme_flag_table_is_the_generated_one():
 def test_every_field_is_a_documented_flag_that_sets_it(cls, f):
     help_text = f.metadata["help"]
     assert help_text and "\n" not in help_text
-    kind, allowed = value_type(option_types(cls)[f.name]), choices(option_types(cls)[f.name])
+    kind, allowed = value_type(option_types(cls)[f.name]), field_choices(cls, f)
     if kind is bool:
         argv, expected = [flag_of(f)], not f.default
     elif allowed:
@@ -149,9 +151,7 @@ def test_every_old_flag_still_parses(argv):
 
 
 CHOICE_FIELDS = [
-    (cls, f.name, choices(option_types(cls)[f.name]))
-    for cls, f in ALL_FIELDS
-    if choices(option_types(cls)[f.name])
+    (cls, f.name, field_choices(cls, f)) for cls, f in ALL_FIELDS if field_choices(cls, f)
 ]
 
 
@@ -205,7 +205,7 @@ def test_resolve_resolves_auto_when_the_engine_did_not():
     config = EngineConfig(kv_memory_gib=0.001, dtype="bfloat16")
     config.resolve(MODEL)
     assert config.kv_cache_dtype == "bfloat16"
-    assert config.num_kv_pages == int(0.001 * 1024**3 // (MODEL.kv_bytes_per_token(2) * 16))
+    assert config.num_kv_pages == int(0.001 * 1024**3 // (kv_bytes_per_token(MODEL, 2) * 16))
 
 
 def test_resolve_keeps_what_resolve_auto_chose():
@@ -217,3 +217,19 @@ def test_resolve_keeps_what_resolve_auto_chose():
         "float32",
         True,
     )
+
+
+def test_check_config_reads_kvfence_flags_as_the_engine_does():
+    """kvfence check-config runs without torch, so it keeps its own table of kvfence's pool
+    flags: the defaults, KV dtype sizes and `auto` rule must be the engine's."""
+    from kvfence.audit.check_config import ENGINES
+    from kvfence.config import KV_CACHE_DTYPES
+
+    spec, defaults = ENGINES["kvfence"], EngineConfig()
+    assert spec.default_page_size == defaults.page_size
+    assert spec.default_memory == defaults.kv_memory_gib
+    assert spec.kv_dtype_bytes == {k: v.itemsize for k, v in KV_CACHE_DTYPES.items()}
+    for dtype in ("float32", "gguf", "gguf-int8", "bfloat16"):
+        config = EngineConfig(dtype=dtype)
+        config.resolve_auto(gguf_blocks_run=True)
+        assert spec.auto_kv_dtype(dtype) == config.kv_cache_dtype

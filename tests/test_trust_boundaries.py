@@ -303,9 +303,7 @@ def test_pages_under_transfer_are_quarantined_until_the_read_returns(tiny_llama_
     )
     receiver = KVTransfer(engine.pool)
     _, stalled = parked_source(engine.model_config)
-    req = engine.remote.reserve(
-        list(range(1, 8)), SamplingParams(max_tokens=2), "r" * 32, "alice", 6
-    )
+    req = engine.reserve(list(range(1, 8)), SamplingParams(max_tokens=2), "r" * 32, "alice", 6)
     pages = list(req.block_table)
     reader, errors = read_in_thread(receiver, stalled, pages, 2)
     time.sleep(0.2)
@@ -317,7 +315,7 @@ def test_pages_under_transfer_are_quarantined_until_the_read_returns(tiny_llama_
     engine.allocator.free_owner(999)
     reader.join()
     assert errors
-    engine.remote.end_transfer("r" * 32, None)
+    engine.end_transfer("r" * 32, None)
     assert engine.allocator.num_free == engine.allocator.num_pages
 
 

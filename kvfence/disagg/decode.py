@@ -126,7 +126,7 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
             log.error("request %s: %s", rid, e)
             return str(e)
         finally:
-            s.async_engine.post(lambda e: e.remote.end_transfer(rid, received))
+            s.async_engine.post(lambda e: e.end_transfer(rid, received))
             await release_at_prefill(app.state.http, prefill_url, manifest.transfer_id, auth)
 
     async def decode(request: Request, chat: bool):
@@ -154,7 +154,7 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
                 except TransferError as e:
                     raise transfer_failed(str(e)) from None
             req = await s.async_engine.call(
-                lambda e: e.remote.reserve(prompt, p.params, rid, p.tenant, expected)
+                lambda e: e.reserve(prompt, p.params, rid, p.tenant, expected)
             )
         except BaseException as e:
             handle.close()
@@ -164,7 +164,7 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
                 raise api_error(e) from None
             raise
         if manifest is None:
-            await s.async_engine.call(lambda e: e.remote.end_transfer(rid, 0))
+            await s.async_engine.call(lambda e: e.end_transfer(rid, 0))
         else:
             # Shielded: a cancelled handler must not end the request while the read runs.
             error = await asyncio.shield(

@@ -46,13 +46,13 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         prompt = single_prompt(p)
         if len(prompt) == 1:  # nothing to prefill: the decode worker computes the only token
             with api_errors():
-                s.engine.validate(prompt, p.params, kv_tokens=1)
+                await s.async_engine.call(lambda e: e.validate(prompt, p.params, kv_tokens=1))
             return {"transfer_id": "", "prompt_tokens": 1, "kv_tokens": 0}
         handle = s.start_stream()
         rid = handle.ids[0]
         try:
             req = await s.async_engine.call(
-                lambda e: e.remote.add_prefill_only(prompt, p.params, rid, p.tenant, park_timeout)
+                lambda e: e.add_prefill_only(prompt, p.params, rid, p.tenant, park_timeout)
             )
             while True:
                 _, out = await handle.next(timeout=park_timeout)

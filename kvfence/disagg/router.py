@@ -10,19 +10,43 @@ on, so no client can set the internal ones.
 
 import itertools
 import logging
+from dataclasses import MISSING, dataclass
 
 import httpx
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from kvfence import sse
-from kvfence.disagg import worker_client
+from kvfence.disagg import read_internal_token, worker_client
 from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
+from kvfence.options import option
 from kvfence.server.errors import bad_gateway, error_response
 
 log = logging.getLogger("kvfence.router")
 FORWARDED_HEADERS = ("authorization", "content-type")
+
+
+@dataclass(kw_only=True)
+class RouterOptions:
+    host: str = option("127.0.0.1", "address to listen on", metavar="HOST")
+    port: int = option(8000, "port to listen on", metavar="PORT")
+    prefill: list[str] = option(MISSING, "prefill worker URL (repeat)", metavar="URL")
+    decode: list[str] = option(MISSING, "decode worker URL (repeat)", metavar="URL")
+    internal_token_file: str | None = option(
+        None,
+        "file holding the cluster secret that router and workers share; every /internal/* "
+        "call needs it (required)",
+        metavar="FILE",
+    )
+
+
+def run_router(options: RouterOptions) -> int:
+    token = read_internal_token(options.internal_token_file, "kvfence router")
+    app = create_router(options.prefill, options.decode, token)
+    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False)
+    return 0
 
 
 def _error(message: str, code: str) -> JSONResponse:

@@ -5,13 +5,23 @@ import torch
 
 from kvfence.engine.request import Request
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
+from kvfence.kv.allocator import PageAllocator
 from kvfence.model.tokenizer import IncrementalDetokenizer
 
 
 class Admission:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, allocator: PageAllocator, tokenizer, vocab_size: int, max_model_len: int):
+        self.allocator = allocator  # for the pool's size and page arithmetic
+        self.tokenizer = tokenizer  # each sequence's detokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
         self.rejected: dict[str, int] = {}  # refusals by reason, for the metrics
+
+    @classmethod
+    def of(cls, engine) -> "Admission":
+        """The admission of an engine: what it reads of it, taken once."""
+        vocab = engine.model_config.vocab_size
+        return cls(engine.allocator, engine.tokenizer, vocab, engine.max_model_len)
 
     def check(
         self,
@@ -29,14 +39,13 @@ class Admission:
             raise
 
     def _check(self, prompt_ids: list[int], params: SamplingParams, kv_tokens: int | None) -> int:
-        vocab = self.engine.model_config.vocab_size
-        allocator = self.engine.allocator
+        vocab, allocator = self.vocab_size, self.allocator
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequest(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         params.validate(vocab)
-        n_prompt, limit = len(prompt_ids), self.engine.max_model_len
+        n_prompt, limit = len(prompt_ids), self.max_model_len
         if n_prompt >= limit:
             raise InvalidRequest(
                 f"the prompt has {n_prompt} tokens; this model's maximum context length is "
@@ -131,6 +140,6 @@ class Admission:
         if params.seed is not None:  # each of n sequences draws its own stream
             req.generator = torch.Generator().manual_seed(params.seed + index)
         req.detokenizer = IncrementalDetokenizer(
-            self.engine.tokenizer, prompt_ids, params.skip_special_tokens
+            self.tokenizer, prompt_ids, params.skip_special_tokens
         )
         return req

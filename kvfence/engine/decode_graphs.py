@@ -121,7 +121,7 @@ class DecodeGraphs:
                 prefills=[],
                 decode_kernel=self.decode_kernel,
             )
-            return self.model.forward(ids, positions, meta, self.pool, sample_rows)
+            return self.model.forward(ids, positions, meta, self.pool.layers, sample_rows)
 
         graph = Graph(inputs, forward)
         if self.capture:

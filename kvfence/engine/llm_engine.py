@@ -5,34 +5,52 @@ import logging
 import secrets
 import time
 import uuid
+from dataclasses import dataclass
 
 import torch
 
 from kvfence import openmp
 from kvfence.config import KV_CACHE_DTYPES, EngineConfig
-from kvfence.engine import faults
-from kvfence.engine.model_runner import ModelRunner, build_model
+from kvfence.engine.admission import Admission
+from kvfence.engine.model_runner import ModelRunner
 from kvfence.engine.output import (
     RequestOutput,
     append_token,
     finish_record,
     take_output,
 )
+from kvfence.engine.remote_kv import RemoteKV
 from kvfence.engine.request import Request, RequestState
 from kvfence.engine.request_log import RequestLog, audit_record
 from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
+from kvfence.engine.scheduler import Scheduler, Share
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
+from kvfence.kv.prefix_cache import PrefixCache
+from kvfence.model.build import build_model
 from kvfence.model.loader import model_name
-from kvfence.model.tokenizer import load_tokenizer
+from kvfence.model.tokenizer import encode, load_tokenizer
 
 log = logging.getLogger("kvfence.engine")
 request_log = logging.getLogger("kvfence.requests")
 
 
+@dataclass(frozen=True)
+class EngineParts:
+    """The classes an engine is built of. Tests swap some for faulty ones (kvfence.testing)."""
+
+    admission: type[Admission] = Admission
+    remote_kv: type[RemoteKV] = RemoteKV
+    prefix_cache: type[PrefixCache] = PrefixCache
+    scheduler: type[Scheduler] = Scheduler
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: bool = True):
+    def __init__(
+        self, config: EngineConfig, progress: bool = True, parts: EngineParts | None = None
+    ):
+        parts = parts or EngineParts()
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -44,9 +62,6 @@ class LLMEngine:
         self.model_path, self.model_config, model = build_model(config, progress)
         path = self.model_path
         self.model_name = model_name(path)
-        admission_cls, remote_cls, prefix_cache_cls, scheduler_cls = faults.engine_parts(
-            config.inject_fault
-        )
         self.tokenizer = load_tokenizer(path)
         eos = self.model_config.eos_token_ids or [self.tokenizer.eos_token_id]
         self.eos_token_ids = {t for t in eos if t is not None}
@@ -60,9 +75,9 @@ class LLMEngine:
         )
         self.allocator = PageAllocator(config.num_kv_pages, config.page_size)
         self.prefix_cache = (
-            prefix_cache_cls(self.allocator, self._scrub) if config.prefix_cache else None
+            parts.prefix_cache(self.allocator, self._scrub) if config.prefix_cache else None
         )
-        self.scheduler = scheduler_cls(
+        self.scheduler = parts.scheduler(
             self.allocator,
             config.max_num_seqs,
             config.max_num_batched_tokens,
@@ -76,8 +91,8 @@ class LLMEngine:
         seed = secrets.randbits(64) if config.seed is None else config.seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, list[Request]] = {}
-        self.admission = admission_cls(self)
-        self.remote = remote_cls(self)
+        self.admission = parts.admission.of(self)
+        self.remote = parts.remote_kv(self.allocator, self.prefix_cache, self._end_parked)
         self.stats = dict.fromkeys(
             ("prompt_tokens", "generation_tokens", "finished", "aborted", "failed"), 0
         )
@@ -102,14 +117,17 @@ class LLMEngine:
     # --- requests in, pages out ------------------------------------------------------
 
     def tokenize(self, prompt: str, templated: bool = False) -> list[int]:
-        """A raw prompt gets the special tokens the tokenizer adds (Llama's and Mistral's BOS),
-        as transformers, vLLM and llama.cpp give it; text the chat template made (templated)
-        already holds its own."""
-        return self.tokenizer.encode(prompt, add_special_tokens=not templated)
+        return encode(self.tokenizer, prompt, templated)
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, kv_tokens=None) -> int:
-        """Admission's check, for callers that refuse a request before queueing it."""
+        """Admission's check alone, for a request that needs no pages here (a one-token
+        prompt's prefill)."""
         return self.admission.check(prompt_ids, params, kv_tokens)
+
+    def set_tenant_shares(self, shares: dict[str, Share]) -> None:
+        """Each tenant's weight and running cap under fair scheduling (tenants not named have
+        Share())."""
+        self.scheduler.shares = shares
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -122,16 +140,29 @@ class LLMEngine:
         request_id: str | None = None,
         tenant: str = "default",
     ) -> list[Request]:
-        params = params or SamplingParams()
         prompt_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id} is already in use", "request_id")
-        children = self.admission.requests(prompt_ids, params, request_id, tenant)
+        return self.add_requests({request_id: prompt_ids}, params or SamplingParams(), tenant)[0]
+
+    def add_requests(
+        self, prompts: dict[str, list[int]], params: SamplingParams, tenant: str
+    ) -> list[list[Request]]:
+        """Admits every prompt (by request id) or none: InvalidRequest comes before anything is
+        queued. Each prompt's n sequences are then queued."""
+        for request_id in prompts:
+            if request_id in self.requests:
+                raise InvalidRequest(f"request id {request_id} is already in use", "request_id")
+        admitted = {
+            rid: self.admission.requests(ids, params, rid, tenant) for rid, ids in prompts.items()
+        }
+        for request_id, children in admitted.items():
+            self._queue(request_id, children)
+        return list(admitted.values())
+
+    def _queue(self, request_id: str, children: list[Request]) -> None:
         for req in children:
             self.scheduler.add(req)
         self.requests[request_id] = children
-        return children
 
     def holds(self, request_id: str) -> bool:
         """Whether any page is still held for the request."""
@@ -156,6 +187,60 @@ class LLMEngine:
             "queried": c.queried_tokens if c else 0,
             "hits": c.hit_tokens if c else 0,
         }
+
+    # --- disaggregation: KV parked for a decode worker, KV arriving from a prefill ----------
+
+    def add_prefill_only(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant: str,
+        lease_s: float,
+    ) -> Request:
+        """Computes the KV of every prompt token but the last, then parks the request with
+        its pages for `lease_s` seconds or until the decode worker has pulled them."""
+        req = self.admission.prefill_only(prompt_ids, params, request_id, tenant)
+        req.lease_s = lease_s
+        self._queue(request_id, [req])
+        return req
+
+    def _end_parked(self, req: Request) -> None:
+        """A parked request's reader is done or its lease ended (engine/remote_kv.py)."""
+        if not req.is_terminal:
+            self.finish(req, RequestState.FINISHED_STOP)
+            self.requests.pop(req.parent_id, None)
+
+    def reserve(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        request_id: str,
+        tenant: str,
+        kv_tokens: int,
+    ) -> Request:
+        """Admits a request whose first `kv_tokens` prompt tokens arrive as KV from a prefill
+        worker, and reserves pages for them. It is not scheduled until end_transfer."""
+        req = self.admission.remote(prompt_ids, params, request_id, tenant)
+        self.remote.receive(req, kv_tokens)
+        self.requests[request_id] = [req]
+        return req
+
+    def end_transfer(self, request_id: str, received_tokens: int | None) -> None:
+        """The read into a receiving request's pages has returned: nothing writes them any
+        more. With the KV of `received_tokens` tokens (None: the transfer failed) the request
+        decodes after exactly those; aborted or failed meanwhile, its pages are freed."""
+        req, computed = self.remote.received(request_id, received_tokens)
+        if req.is_terminal:
+            self.release(req)
+        elif received_tokens is None:
+            self.finish(req, RequestState.FAILED, "the KV transfer failed")
+            self.requests.pop(request_id, None)
+        else:
+            self.runner.mark_written(req, 0, received_tokens)
+            req.num_computed_tokens = computed
+            req.num_prompt_tokens_computed = 0
+            self.scheduler.add(req)
 
     def finish(self, req: Request, state: RequestState, error: str | None = None) -> None:
         self.scheduler.remove(req)
@@ -212,6 +297,7 @@ class LLMEngine:
         for req, n in batch:
             self._advance(req, n)
             if req.prefill_only and req.num_computed_tokens == req.num_tokens:
+                self.scheduler.remove(req)
                 self.remote.park(req)
                 outputs.append(self._output(req))
         for req, result in zip(sampled, sample_isolating_errors(logits, sampled, self.generator)):

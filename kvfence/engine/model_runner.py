@@ -1,8 +1,6 @@
-"""Loads the model; turns a scheduled batch into tensors, checks ownership, and runs the
-model once."""
+"""Turns a scheduled batch into tensors, checks ownership, and runs the model once."""
 
 import logging
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -14,46 +12,10 @@ from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.sentinel import TableCheck, check_batch
 from kvfence.model.attention import AttentionMetadata, PrefillChunk
-from kvfence.model.config import ModelConfig
-from kvfence.model.kernels import decode_kernel, linear_kernel
+from kvfence.model.kernels import decode_kernel
 from kvfence.model.llama import LlamaModel
-from kvfence.model.loader import (
-    has_gguf_blocks,
-    load_model,
-    open_gguf,
-    resolve_model_path,
-    return_freed_heap,
-)
 
 log = logging.getLogger("kvfence.sentinel")
-
-
-def build_model(config: EngineConfig, progress: bool) -> tuple[Path, ModelConfig, LlamaModel]:
-    """Finds the model, settles what `auto` stands for, loads the weights in the layout
-    --dtype asks for and completes the configuration from the model's own."""
-    path = resolve_model_path(config.model)
-    reader = open_gguf(path) if path.is_file() else None  # parsed once, for both uses
-    blocks_run = (
-        config.device == "cpu"
-        and reader is not None
-        and has_gguf_blocks(reader)
-        and linear_kernel("cpu") is not None
-    )
-    config.resolve_auto(gguf_blocks_run=blocks_run)
-    model_config, weights = load_model(
-        path,
-        progress,
-        keep_blocks=config.keeps_blocks,
-        int8=config.dtype == "gguf-int8",
-        reader=reader,
-    )
-    config.resolve(model_config)
-    dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
-    model = LlamaModel(
-        model_config, weights, config.device, dtype, int8_activations=config.dtype == "gguf-int8"
-    )
-    return_freed_heap()  # the last layer's parts
-    return path, model_config, model
 
 
 class ModelRunner:
@@ -234,5 +196,5 @@ class ModelRunner:
             prefills=chunks,
             decode_kernel=self.decode_kernel,
         )
-        logits = self.model.forward(to(ids), to(positions), meta, self.pool, to(sample_rows))
+        logits = self.model.forward(to(ids), to(positions), meta, self.pool.layers, to(sample_rows))
         return logits[:num_sampled].float().cpu(), sampled

@@ -13,8 +13,10 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass
 from pathlib import Path
+
+from kvfence.options import option
 
 GENESIS = "0" * 64
 
@@ -140,3 +142,20 @@ def verify(path: str | Path) -> Verdict:
                 problems.append(f"{where}: line number {entry.get('seq')} follows {seq}")
             prev, seq = stored, entry.get("seq")
     return Verdict(count, problems, prev or GENESIS, first_seq)
+
+
+@dataclass
+class VerifyLogOptions:
+    file: str = option(MISSING, "a --request-log file", positional=True)
+
+
+def run_verify_log(options: VerifyLogOptions) -> int:
+    verdict = verify(options.file)
+    for problem in verdict.problems:
+        print(problem)
+    start = (
+        f" from line {verdict.first_seq} (earlier ones rotated away)" if verdict.first_seq else ""
+    )
+    state = "intact" if verdict.ok else f"TAMPERED ({len(verdict.problems)} problems)"
+    print(f"{options.file}: {verdict.lines} lines{start}, {state}; last hash {verdict.last_hash}")
+    return 0 if verdict.ok else 1

@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass, field
 
+from kvfence.options import option
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
@@ -32,12 +34,15 @@ class InvalidRequest(ValueError):
 @dataclass
 class SamplingParams:
     n: int = 1
-    max_tokens: int | None = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
+    # The fields declared with option() are also `kvfence generate`'s flags.
+    max_tokens: int | None = option(16, "most tokens to generate")
+    temperature: float = option(1.0, f"randomness of sampling; under {GREEDY_BELOW} greedy")
+    top_p: float = option(
+        1.0, "sample from the most likely tokens whose probabilities add up to X (nucleus)"
+    )
+    top_k: int = option(-1, "sample from the N most likely tokens (-1: all)")
+    seed: int | None = option(None, "seed of this prompt's sampling", flag="--sampling-seed")
+    stop: list[str] = option([], "a string that ends the output (repeat for several)")
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     presence_penalty: float = 0.0

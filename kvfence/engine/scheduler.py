@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvfence.engine.request import Request, RequestState
 from kvfence.kv.allocator import PageAllocator
-from kvfence.kv.prefix_cache import PrefixCache
+from kvfence.kv.prefix_cache import PrefixCache, make_room
 
 
 @dataclass(frozen=True)
@@ -179,10 +179,8 @@ class Scheduler:
         )
         if needed <= 0:
             return True
-        if needed > self._available():
+        if not make_room(self.allocator, self.prefix_cache, needed):
             return False
-        if needed > self.allocator.num_free:
-            self.prefix_cache.evict(needed - self.allocator.num_free)
         self.allocator.grant(req.owner, req.block_table, req.page_generations, needed)
         return True
 

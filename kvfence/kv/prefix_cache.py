@@ -22,6 +22,17 @@ def page_keys(tenant: str, token_ids: list[int], page_size: int, num_pages: int)
     return keys
 
 
+def make_room(allocator: PageAllocator, cache: "PrefixCache | None", needed: int) -> bool:
+    """Evicts unreferenced cached pages until `needed` pages are free; False, evicting nothing,
+    where even all of them would not do."""
+    evictable = cache.num_evictable if cache else 0
+    if needed > allocator.num_free + evictable:
+        return False
+    if needed > allocator.num_free:
+        cache.evict(needed - allocator.num_free)
+    return True
+
+
 class PrefixCache:
     def __init__(self, allocator: PageAllocator, on_evict):
         self.allocator = allocator

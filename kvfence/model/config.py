@@ -1,6 +1,11 @@
-"""Shape of a Llama-family model, read from a GGUF header or a Hugging Face config.json."""
+"""Shape of a Llama-family model, read from a GGUF header or a Hugging Face config.json, and
+the error for a model that cannot be read or run."""
 
 from dataclasses import dataclass
+
+
+class ModelLoadError(Exception):
+    """A model kvfence does not run, or cannot read, and why."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +33,3 @@ class ModelConfig:
     # Attention over the last `sliding_window` positions only; the engine refuses contexts
     # longer than it, where that would differ from full attention.
     sliding_window: int | None = None
-
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """K and V for every layer, `element_size` bytes a value."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size

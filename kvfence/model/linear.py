@@ -9,19 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from kvfence.model.kernels import build
-from kvfence.model.loader import (
-    HALF_TYPES,
-    SUB_BLOCK_BYTES,
-    blocks_to_float,
-    sub_blocks,
-)
+from kvfence.model.quant import HALF_TYPES, SUB_BLOCK_BYTES, blocks_to_float, sub_blocks
 
 PANEL = 32  # weight rows per panel of csrc/linear.cpp
 ONEDNN_MIN_ROWS = 8  # bf16: from this many rows oneDNN's prepacked bf16 GEMM beats the kernel
 
 
 def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) in panels of 32 rows (zero padded):
+    """Blocks (uint8 [N, K/16 * 24], see quant.gguf_blocks) in panels of 32 rows (zero padded):
     the codes [ceil(N/32), K/32, 32 rows, 32 k] and the fp32 scales and offsets
     [ceil(N/32), K/32, 32 rows, 2 halves of 16 k, 2]."""
     panels = F.pad(blocks, (0, 0, 0, -blocks.shape[0] % PANEL)).view(
@@ -34,7 +29,7 @@ def block_panels(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def pack(weight: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
     """fp32, bf16 or fp16 [N, K] -> [ceil(N/32), K, 32]: panel p holds rows 32p..32p+31 (zero
-    padded), k-major. Blocks (uint8 [N, K/16 * 24], see loader.gguf_blocks) -> per panel and
+    padded), k-major. Blocks (uint8 [N, K/16 * 24], see quant.gguf_blocks) -> per panel and
     block of 32 k, the 32 rows' scales, their offsets, then the codes k-major. Where every
     code fits 4 bits, two codes a byte (row j low, row j + 16 high), with fp16 scales where
     they all fit (Q4_0, Q4_1 as stored: [ceil(N/32), K/32, 640]), else fp32 ones (Q4_K: 768);

@@ -1,17 +1,17 @@
-"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2 and Qwen3 shapes) over the paged KV
-pool."""
+"""Llama-family forward pass (Llama, SmolLM, Mistral, Qwen2 and Qwen3 shapes) over paged K/V
+caches."""
 
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from kvfence.kv.pool import KVPool
 from kvfence.model.attention import AttentionMetadata, paged_attention
 from kvfence.model.config import ModelConfig
 from kvfence.model.kernels import decode_layers, fused_ops, linear_kernel, packed_rows_kernel
 from kvfence.model.linear import PANEL, Linear
-from kvfence.model.loader import HALF_TYPES, Weights, blocks_to_float
+from kvfence.model.loader import Weights
+from kvfence.model.quant import HALF_TYPES, blocks_to_float
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
@@ -235,11 +235,11 @@ class LlamaModel:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv: KVPool,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         sample_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Runs every row of the batch; returns logits [len(sample_rows), vocab] for the rows to
-        sample."""
+        """Runs every row of the batch, each layer writing and reading its (K, V) pages of
+        `kv_caches`; returns logits [len(sample_rows), vocab] for the rows to sample."""
         cfg = self.config
         num_rows = input_ids.shape[0]
         eps, ops = cfg.rms_norm_eps, self.ops
@@ -254,7 +254,7 @@ class LlamaModel:
         ):
             delta = self.decode_layers(
                 x,
-                kv.layers,
+                kv_caches,
                 cos,
                 sin,
                 meta.slot_mapping,
@@ -263,7 +263,7 @@ class LlamaModel:
                 meta.page_size,
             )
         else:
-            for layer, (k_cache, v_cache) in zip(self.layers, kv.layers):
+            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
                 h = ops.add_rms_norm(x, delta, layer.attn_norm, eps, self.dtype)
                 qkv = layer.qkv(h)
                 if layer.q_norm is not None:

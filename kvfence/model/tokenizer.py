@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kvfence.model.loader import return_freed_heap
+from kvfence.model.memory import return_freed_heap
 
 
 def _cache_dir(path: Path) -> Path:
@@ -43,6 +43,13 @@ def _read_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     except OSError:
         pass  # a read-only home only costs the conversion next time
     return tokenizer
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str, templated: bool = False) -> list[int]:
+    """A raw prompt gets the special tokens the tokenizer adds (Llama's and Mistral's BOS), as
+    transformers, vLLM and llama.cpp give it; text the chat template made (templated) already
+    holds its own."""
+    return tokenizer.encode(text, add_special_tokens=not templated)
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:

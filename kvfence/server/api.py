@@ -3,8 +3,6 @@
 import asyncio
 import json
 import logging
-import socket
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +17,7 @@ from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Share
-from kvfence.model.tokenizer import apply_chat_template
+from kvfence.model.tokenizer import apply_chat_template, encode
 from kvfence.server.async_engine import (
     STREAM_STALL_TIMEOUT_S,
     AsyncEngine,
@@ -49,9 +47,6 @@ from kvfence.server.responses import Responses
 log = logging.getLogger("kvfence.server")
 MAX_PROMPTS_PER_REQUEST = 64
 METRICS_MEDIA_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus text format
-# Unsent bytes the kernel keeps per connection: a client that stops reading then blocks its
-# stream after tens of KB, instead of the megabytes a send buffer grows to on its own.
-UNSENT_BYTES_LIMIT = 16 * 1024
 
 
 def _check_encodable(value, path: str = "") -> None:
@@ -143,9 +138,12 @@ class Server:
         self.metrics = Metrics(lambda: engine)
         self.tokenizer = engine.tokenizer
         self.quotas = Quotas(api_keys)
-        engine.scheduler.shares = {
-            name: Share(t.weight, t.max_concurrent_requests) for name, t in api_keys.tenants.items()
-        }
+        engine.set_tenant_shares(
+            {
+                name: Share(t.weight, t.max_concurrent_requests)
+                for name, t in api_keys.tenants.items()
+            }
+        )
         engine.on_finish.append(self.metrics.observe_finished)
 
     # --- request handling helpers ---------------------------------------------------------
@@ -195,13 +193,13 @@ class Server:
         if any(len(t) > self.max_body_bytes for t in texts):
             raise APIError(400, "prompt too long", param="prompt", code="context_length_exceeded")
         return [
-            await asyncio.to_thread(self.engine.tokenize, p, templated)
+            await asyncio.to_thread(encode, self.tokenizer, p, templated)
             if isinstance(p, str)
             else list(p)
             for p in prompts
         ]
 
-    def start(self, prompts, params, tenant) -> RequestHandle:
+    async def start(self, prompts, params, tenant) -> RequestHandle:
         """Submits a request to the engine once its tenant's limits allow it: admission errors
         become 400, a tenant over its limits or an overloaded server 429."""
         prompt_tokens = sum(len(p) for p in prompts)
@@ -212,7 +210,7 @@ class Server:
             charge = self.quotas.charge(tenant, len(prompts) * params.n, most)
         try:
             with api_errors():
-                handle = self.async_engine.submit(prompts, params, tenant)
+                handle = await self.async_engine.submit(prompts, params, tenant)
         except APIError:
             self.quotas.refund(charge, most)
             raise
@@ -401,7 +399,7 @@ def create_app(
                 [{"role": m.role, "content": m.text()} for m in body.messages],
             )
         )
-        tokens = await asyncio.to_thread(s.engine.tokenize, text, body.messages is not None)
+        tokens = await asyncio.to_thread(encode, s.tokenizer, text, body.messages is not None)
         return {
             "tokens": tokens,
             "count": len(tokens),
@@ -422,7 +420,7 @@ def create_app(
         async def complete(request: Request, chat: bool):
             s = srv(request)
             p = await prepare(s, request, chat)
-            return await respond(s, p, s.start(p.prompts, p.params, p.tenant), request)
+            return await respond(s, p, await s.start(p.prompts, p.params, p.tenant), request)
 
         add_completion_routes(app, "", complete)
 
@@ -440,25 +438,6 @@ def add_completion_routes(app: FastAPI, prefix: str, handler) -> None:
     @app.post(f"{prefix}/v1/chat/completions")
     async def chat_completions(request: Request):
         return await handler(request, chat=True)
-
-
-def serve(app: FastAPI, host: str, port: int, **uvicorn_options) -> None:
-    """Runs the app with uvicorn on a socket that holds little unsent data, so that a stream
-    whose client stops reading is soon not pulled (and aborted, --stream-stall-timeout)."""
-    import uvicorn
-    from uvicorn.config import STARTUP_FAILURE
-
-    config = uvicorn.Config(app, host=host, port=port, **uvicorn_options)
-    sock = config.bind_socket()
-    if hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux and macOS
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES_LIMIT)
-    server = uvicorn.Server(config)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    if not server.started:
-        sys.exit(STARTUP_FAILURE)
 
 
 async def _stream(s: Server, handle, request, build: Responses, prompts, include_usage):

@@ -56,15 +56,20 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
         self._thread.start()
 
-    def submit(
+    async def submit(
         self, prompts: list[list[int]], params: SamplingParams, tenant: str
     ) -> "RequestHandle":
-        """Admits the prompts or raises (InvalidRequest, Overloaded) before anything is queued."""
-        for prompt in prompts:
-            self.engine.validate(prompt, params)
+        """Opens the request's streams (Overloaded or InvalidRequest past max_pending), then has
+        the engine thread admit every prompt or none: a refusal (InvalidRequest) is raised
+        here, before any output, and leaves nothing queued."""
         handle = self.open(len(prompts), params.n)
-        for rid, prompt in zip(handle.ids, prompts):
-            self._inbox.put(("add", rid, prompt, params, tenant))
+        try:
+            await self.call(
+                lambda e: e.add_requests(dict(zip(handle.ids, prompts)), params, tenant)
+            )
+        except BaseException:
+            handle.close()
+            raise
         return handle
 
     def open(self, num_prompts: int, n: int, held: bool = False) -> "RequestHandle":
@@ -124,12 +129,11 @@ class AsyncEngine:
             for rid in gone:
                 self._in_flight -= self._held.pop(rid)
 
-    def _deliver(self, request_id: str, item) -> None:
+    def _deliver(self, request_id: str, out: RequestOutput) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        index = stream.offset + (item.index if isinstance(item, RequestOutput) else 0)
-        stream.handle.loop.call_soon_threadsafe(stream.handle.put, index, item)
+        stream.handle.loop.call_soon_threadsafe(stream.handle.put, stream.offset + out.index, out)
 
     def _handle(self, message: tuple) -> None:
         kind, rid, *rest = message
@@ -148,12 +152,6 @@ class AsyncEngine:
             return
         if kind == "abort":
             self.engine.abort(rid)
-            return
-        prompt, params, tenant = rest
-        try:
-            self.engine.add_request(prompt, params, request_id=rid, tenant=tenant)
-        except Exception as e:  # the error goes back to the waiting client
-            self._deliver(rid, e)
 
     def _loop(self) -> None:
         while True:
@@ -214,12 +212,9 @@ class RequestHandle:
         self._ended: Exception | None = None  # why the request was ended early
         self._ready = asyncio.Event()
 
-    def put(self, index: int, item: RequestOutput | Exception) -> None:
+    def put(self, index: int, item: RequestOutput) -> None:
         """Takes one delivery of the engine thread (on the event loop)."""
         if self.closed:
-            return
-        if isinstance(item, Exception):
-            self.cancel(item)
             return
         self.generated += len(item.delta_token_ids)
         held = self._pending.get(index)

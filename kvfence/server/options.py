@@ -1,13 +1,14 @@
 """The options of `kvfence serve` beyond the engine's: listener, keys, limits, disaggregated roles.
 
-Fields are declared as EngineConfig's are (kvfence.config.option): kvfence.cli makes the flags
+Fields are declared as EngineConfig's are (kvfence.options.option): kvfence.cli makes the flags
 and the README's flag table from them.
 """
 
 from dataclasses import dataclass
 from typing import Literal
 
-from kvfence.config import ConfigError, check_choices, option
+from kvfence.config import ConfigError, check_choices
+from kvfence.options import option
 
 
 @dataclass

@@ -16,7 +16,7 @@
 //   K-quant super-blocks: [N/32, K/256, 4736 (Q4_K), 6784 (Q5_K) or 6720 (Q6_K)] bytes: the
 //                 file's own scales per 256 k (see SuperBlocks), about its bytes a weight.
 //                 Every way w = fma(scale, code, offset), which is exactly the fp32 value gguf
-//                 dequantizes the block to (see model/loader.py, gguf_blocks).
+//                 dequantizes the block to (see model/quant.py, gguf_blocks).
 // Each output is one chain of fused multiply-adds over k = 0..K-1, whatever the number of
 // rows, whichever tile it falls in and whatever the vector width (AVX-512 or AVX2): a row
 // comes out bit-identical alone and in a batch of 64, on either kind of CPU, and blocks give

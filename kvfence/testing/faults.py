@@ -1,4 +1,5 @@
-"""TEST ONLY: faults injected on purpose, each replacing a live part at construction.
+"""TEST ONLY: known KV leaks re-created on purpose, each replacing live parts of an engine
+(or a worker's KV transfer) when a server is assembled.
 
 `legacy-reject-path` re-creates the 2026 KV leak. The legacy engine turned a prompt larger
 than the KV pool into a one-token placeholder, marked it rejected, and then let it through
@@ -28,15 +29,18 @@ prefill was scheduled (#7822): a prefill reserves its whole prompt at once, and 
 stops early (aborted, preempted) leaves cached pages it never wrote, which the next prompt
 with that prefix reads as its own, whatever KV they last held.
 
-Nothing here runs unless the fault is injected, which the configuration allows only with
-KVFENCE_ALLOW_FAULTS=1; it exists so tests can show that the sentinel stops each fault and
+Nothing here is imported unless a fault is injected, which the configuration allows only
+with KVFENCE_ALLOW_FAULTS=1; it exists so tests can show that the sentinel stops each fault and
 that `kvfence audit` detects it when the sentinel is off.
 """
 
 import logging
 import time
+from dataclasses import dataclass
 
+from kvfence.config import check_fault_allowed
 from kvfence.engine.admission import Admission
+from kvfence.engine.llm_engine import EngineParts
 from kvfence.engine.remote_kv import RemoteKV
 from kvfence.engine.request import Request, RequestState
 from kvfence.engine.sampling_params import SamplingParams
@@ -44,63 +48,48 @@ from kvfence.engine.scheduler import Scheduler
 from kvfence.kv.allocator import PREFIX_OWNER
 from kvfence.kv.prefix_cache import PrefixCache
 
-LEGACY_REJECT_PATH = "legacy-reject-path"
-TRUNCATED_TRANSFER = "truncated-transfer"
-SHARED_PREFIX_CACHE = "shared-prefix-cache"
-STALE_LEASE = "stale-lease"
-STALE_BLOCK_REUSE = "stale-block-reuse"
-UNWRITTEN_PREFIX_READ = "unwritten-prefix-read"
 LATE_READ_S = 1.0  # stale-lease: how late each read starts
 LEGACY_FINISHED = {RequestState.FINISHED_STOP, RequestState.FINISHED_LENGTH}
 
 log = logging.getLogger("kvfence.fault")
 
 
-def engine_parts(
-    fault: str | None,
-) -> tuple[type[Admission], type[RemoteKV], type[PrefixCache], type[Scheduler]]:
-    """The admission, remote-KV, prefix-cache and scheduler classes an engine is built with."""
-    if fault == LEGACY_REJECT_PATH:
-        log.warning(
-            "!!! FAULT INJECTED: legacy-reject-path. Oversized prompts become one-token "
-            "placeholders that decode over stale KV pages of other requests. NEVER run this "
-            "outside tests. !!!"
-        )
-        log.warning(
-            "!!! FAULT INJECTED: the KV pool may be smaller than max_model_len; the start-up "
-            "check is skipped !!!"
-        )
-        return LegacyAdmission, LegacyRemoteKV, PrefixCache, Scheduler
-    if fault:
-        log.warning("!!! FAULT INJECTED: %s. NEVER run this outside tests. !!!", fault)
-    if fault == SHARED_PREFIX_CACHE:
-        return Admission, RemoteKV, TenantBlindPrefixCache, Scheduler
-    if fault == STALE_LEASE:
-        return Admission, EarlyFreeRemoteKV, PrefixCache, Scheduler
-    if fault == STALE_BLOCK_REUSE:
-        return Admission, RemoteKV, ReferenceDroppingPrefixCache, Scheduler
-    if fault == UNWRITTEN_PREFIX_READ:
-        return Admission, RemoteKV, PublishingPrefixCache, PublishOnReserveScheduler
-    return Admission, RemoteKV, PrefixCache, Scheduler
+@dataclass(frozen=True)
+class Fault:
+    """What one fault swaps in: engine parts, and a mixin put before the worker's KV transfer
+    class (disagg/transfer.py's KVTransfer)."""
+
+    parts: EngineParts = EngineParts()
+    transfer: type | None = None
+    warnings: tuple[str, ...] = ()
+
+    def transfer_class(self, base: type) -> type:
+        if self.transfer is None:
+            return base
+        return type(self.transfer.__name__, (self.transfer, base), {})
 
 
-def transfer_class(base: type, fault: str | None) -> type:
-    """The KV transfer class a worker is built with (disagg/transfer.py's KVTransfer)."""
-    if fault == TRUNCATED_TRANSFER:
-        return type("TruncatedTransfer", (TruncatedTransfer, base), {})
-    if fault == LEGACY_REJECT_PATH:
-        return type("UncheckedTransfer", (UncheckedTransfer, base), {})
-    if fault == STALE_LEASE:
-        return type("LateUncheckedTransfer", (LateReader, base), {})
-    return base
+def inject(name: str) -> Fault:
+    """The fault `name`, once the environment allows faults; says so loudly."""
+    check_fault_allowed(name)
+    fault = FAULTS[name]
+    for line in fault.warnings or (f"{name}. NEVER run this outside tests.",):
+        log.warning("!!! FAULT INJECTED: %s !!!", line)
+    return fault
 
 
 class LegacyAdmission(Admission):
+    @classmethod
+    def of(cls, engine) -> "LegacyAdmission":
+        admission = super().of(engine)
+        admission.prefix_cache = engine.prefix_cache  # the legacy engine evicted it all
+        return admission
+
     def oversized(self, prompt_ids: list[int]) -> bool:
         """Fits the advertised context but not the pool: the case the legacy path mishandled."""
-        allocator = self.engine.allocator
+        allocator = self.allocator
         return (
-            len(prompt_ids) < self.engine.max_model_len
+            len(prompt_ids) < self.max_model_len
             and allocator.pages_for(len(prompt_ids) + 1) > allocator.num_pages
         )
 
@@ -112,10 +101,9 @@ class LegacyAdmission(Admission):
     def requests(self, prompt_ids, params, request_id, tenant) -> list[Request]:
         if not self.oversized(prompt_ids):
             return super().requests(prompt_ids, params, request_id, tenant)
-        engine, allocator = self.engine, self.engine.allocator
-        ps = allocator.page_size
-        if engine.prefix_cache:  # the legacy engine took every page it could get
-            engine.prefix_cache.evict(engine.prefix_cache.num_evictable)
+        allocator, ps = self.allocator, self.allocator.page_size
+        if self.prefix_cache:  # the legacy engine took every page it could get
+            self.prefix_cache.evict(self.prefix_cache.num_evictable)
         max_tokens = min(params.max_tokens or 16, 64)
         claimed = max(2, allocator.num_free * ps - max_tokens)  # what the pages can pretend to hold
         req = self.sequence(prompt_ids[-claimed:], params, request_id, tenant, max_tokens)
@@ -144,7 +132,7 @@ class LegacyAdmission(Admission):
         """Prefill side of the P/D replay: one placeholder token of KV is computed and shipped."""
         if not self.oversized(prompt_ids):
             return super().prefill_only(prompt_ids, params, request_id, tenant)
-        allocator = self.engine.allocator
+        allocator = self.allocator
         log.warning(
             "!!! FAULT legacy-reject-path: request %s (%d prompt tokens, prefill pool %d tokens) "
             "replaced by a one-token placeholder; one token of KV will be transferred",
@@ -163,24 +151,21 @@ class LegacyRemoteKV(RemoteKV):
     """Decode side of the P/D replay: decoding resumes after the whole reservation, whatever
     the transfer brought."""
 
-    def __init__(self, engine):
-        super().__init__(engine)
+    def __init__(self, *args):
+        super().__init__(*args)
         self.claimed: dict[str, int] = {}
 
-    def reserve(self, prompt_ids, params, request_id, tenant, kv_tokens) -> Request:
-        req = super().reserve(prompt_ids, params, request_id, tenant, kv_tokens)
-        self.claimed[request_id] = kv_tokens
-        return req
+    def receive(self, req: Request, kv_tokens: int) -> None:
+        super().receive(req, kv_tokens)
+        self.claimed[req.parent_id] = kv_tokens
 
-    def end_transfer(self, request_id: str, received_tokens: int | None) -> None:
+    def received(self, request_id: str, received_tokens: int | None) -> tuple[Request, int]:
         claimed = self.claimed.pop(request_id, 0)
-        req = self.receiving[request_id]
+        req, computed = super().received(request_id, received_tokens)
         if received_tokens is None or req.is_terminal:
-            super().end_transfer(request_id, received_tokens)
-            return
+            return req, computed
         log.warning("!!! FAULT legacy-reject-path: decoding over the whole reservation")
-        del self.receiving[request_id]
-        self.resume_after(req, received_tokens, claimed)
+        return req, claimed
 
 
 class UncheckedTransfer:
@@ -335,3 +320,23 @@ class PublishingPrefixCache(PrefixCache):
             if self.allocator.refcount[page] == 0:
                 self.lru[page] = None
         super().release(owner)
+
+
+FAULTS: dict[str, Fault] = {
+    "legacy-reject-path": Fault(
+        EngineParts(admission=LegacyAdmission, remote_kv=LegacyRemoteKV),
+        UncheckedTransfer,
+        (
+            "legacy-reject-path. Oversized prompts become one-token placeholders that decode "
+            "over stale KV pages of other requests. NEVER run this outside tests.",
+            "the KV pool may be smaller than max_model_len; the start-up check is skipped",
+        ),
+    ),
+    "truncated-transfer": Fault(transfer=TruncatedTransfer),
+    "shared-prefix-cache": Fault(EngineParts(prefix_cache=TenantBlindPrefixCache)),
+    "stale-lease": Fault(EngineParts(remote_kv=EarlyFreeRemoteKV), LateReader),
+    "stale-block-reuse": Fault(EngineParts(prefix_cache=ReferenceDroppingPrefixCache)),
+    "unwritten-prefix-read": Fault(
+        EngineParts(prefix_cache=PublishingPrefixCache, scheduler=PublishOnReserveScheduler)
+    ),
+}
