@@ -416,3 +416,28 @@ def test_audit_is_clean_over_pd_with_a_killed_decode_worker(tmp_path):
     finally:
         for p in procs:
             stop_server(p)
+
+
+def test_a_busy_decode_worker_frees_the_prefills_parked_kv_at_once(tmp_path):
+    """A decode worker at --max-pending answers 429, and the KV parked for that request at the
+    prefill worker is freed then, not held for its whole lease: decode saturation must not
+    become a prefill lockout."""
+    procs, router, urls = start_cluster(
+        tmp_path, [["--park-timeout", "60"]], [["--max-pending", "1"]]
+    )
+    try:
+        body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 400}
+        with httpx.stream(
+            "POST",
+            router + "/v1/completions",
+            json={**body, "ignore_eos": True, "stream": True},
+            timeout=120,
+        ) as busy:
+            lines = busy.iter_lines()  # kept: a dropped iterator closes the stream
+            next(lines)  # decoding: the decode worker's one slot is taken
+            r = complete(router, "The capital of France is")
+            assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
+            wait_for_idle_pool(urls["prefill"][0], timeout=10)
+    finally:
+        for p in procs:
+            stop_server(p)

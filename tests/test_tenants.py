@@ -48,6 +48,18 @@ def add(engine, tenant, count, prompt_len, max_tokens, start=0):
         )
 
 
+def served_in_steps(engine, trace, steps: int) -> Counter:
+    """Tokens computed for each tenant in the engine's next `steps` steps."""
+    start = len(trace)
+    for _ in range(steps):
+        engine.step()
+    served = Counter()
+    for batch in trace[start:]:
+        for tenant, n in batch:
+            served[tenant] += n
+    return served
+
+
 def first_step_of(trace, tenant) -> int:
     return next(i for i, batch in enumerate(trace) if any(t == tenant for t, _ in batch))
 
@@ -101,13 +113,7 @@ def test_an_idle_tenant_banks_no_service(tiny_llama_dir):
         r.tenant == "returning" for r in [*engine.scheduler.waiting, *engine.scheduler.running]
     )
     add(engine, "returning", 20, prompt_len=200, max_tokens=1, start=1)
-    start = len(trace)
-    for _ in range(20):
-        engine.step()
-    served = Counter()
-    for batch in trace[start:]:
-        for tenant, n in batch:
-            served[tenant] += n
+    served = served_in_steps(engine, trace, 20)
     assert 0.4 <= served["returning"] / sum(served.values()) <= 0.6, served
     for rid in list(engine.requests):
         engine.abort(rid)
@@ -300,3 +306,38 @@ def test_quota_window_and_refunds():
     assert refused.value.retry_after == 60
     now[0] = 60.0  # the window has passed: back to zero
     quotas.charge("t", 1, 100)
+
+
+def test_a_tenant_back_at_an_idle_moment_banks_no_service(tiny_llama_dir):
+    """A tenant that joins an empty queue starts at the counter of the tenant whose request
+    departed last (VTC), not at its own old one: it then shares the budget with that tenant
+    instead of winning every admission until it catches up."""
+    engine = engine_for(tiny_llama_dir, max_num_seqs=64)
+    trace = traced(engine)
+    add(engine, "busy", 12, prompt_len=100, max_tokens=1)
+    add(engine, "returning", 1, prompt_len=16, max_tokens=1)
+    while engine.has_unfinished():  # both done: the server is idle for a moment
+        engine.step()
+    add(engine, "returning", 20, prompt_len=100, max_tokens=1, start=1)
+    add(engine, "busy", 20, prompt_len=100, max_tokens=1, start=12)
+    served = served_in_steps(engine, trace, 20)
+    assert 0.4 <= served["returning"] / sum(served.values()) <= 0.6, served
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+def test_a_tenant_whose_own_request_left_last_is_lifted_to_those_running(tiny_llama_dir):
+    """While another tenant's requests all run (none waiting), a tenant that joins the queue
+    starts at that tenant's counter, even when its own request was the last to leave."""
+    engine = engine_for(tiny_llama_dir, max_num_seqs=64)
+    trace = traced(engine)
+    add(engine, "steady", 4, prompt_len=100, max_tokens=120)
+    add(engine, "trickle", 1, prompt_len=16, max_tokens=1)
+    while engine.scheduler.waiting or any(r.tenant == "trickle" for r in engine.scheduler.running):
+        engine.step()
+    add(engine, "trickle", 20, prompt_len=100, max_tokens=1, start=1)
+    add(engine, "steady", 20, prompt_len=100, max_tokens=1, start=4)
+    served = served_in_steps(engine, trace, 20)
+    assert 0.3 <= served["trickle"] / sum(served.values()) <= 0.6, served
+    for rid in list(engine.requests):
+        engine.abort(rid)

@@ -442,3 +442,23 @@ def test_parked_kv_counts_toward_max_pending(tmp_path):
         wait_for_idle_pool(url)
     finally:
         stop_server(proc)
+
+
+def test_a_peers_garbage_notification_stops_no_release():
+    """A process that reaches the sender's transport and sends a notification that is not a
+    transfer id (bytes that are not even text) neither stops the thread that hears readers
+    out nor releases anything: the real reader's notification still frees its KV."""
+    sender, manifest = parked_source()
+    pulled = []
+    sender.on_pulled = pulled.append
+    sender.expect(manifest.transfer_id, time.monotonic() + 30)
+    peer = KVTransfer(KVPool(CFG, 8, 4))
+    name = peer._remote(manifest)
+    for note in (b"\xff\xfe\x00", b"u" * 32, manifest.transfer_id.encode()):
+        peer.agent.send_notif(name, note)
+    deadline = time.monotonic() + 10
+    while not pulled and time.monotonic() < deadline:
+        peer.agent.get_new_notifs()  # drives the peer's side of the transport, as a reader does
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert pulled == [manifest.transfer_id]

@@ -8,11 +8,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import httpx
 
 from kvfence.options import option
+from kvfence.server.listener import Listener
 
 log = logging.getLogger("kvfence")
 KVFENCE = [sys.executable, "-m", "kvfence.cli"]
@@ -57,6 +58,7 @@ def run_cluster(options: ClusterOptions) -> int:
         router += ["--internal-token-file", token_file]
         router += [a for u in urls["prefill"] for a in ("--prefill", u)]
         router += [a for u in urls["decode"] for a in ("--decode", u)]
+        router += shared_flags(worker_args)
         procs.append(subprocess.Popen([*KVFENCE, *router]))
         log.info(
             "cluster up: router on %s:%d, prefill %s, decode %s",
@@ -75,6 +77,18 @@ def run_cluster(options: ClusterOptions) -> int:
             p.wait(15)
         os.unlink(token_file)
     return 0
+
+
+def shared_flags(worker_args: list[str]) -> list[str]:
+    """The workers' flags the router takes too: the clients' keys, so that it refuses a bad
+    key before reading a body, and the limits of its listener."""
+    limits = {f.name for f in fields(Listener)} - {"host", "port"}
+    shared = {"--api-keys"} | {"--" + name.replace("_", "-") for name in limits}
+    taken = []
+    for i, arg in enumerate(worker_args):
+        if arg.split("=", 1)[0] in shared:
+            taken += [arg] if "=" in arg else worker_args[i : i + 2]
+    return taken
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen]) -> bool:

@@ -24,9 +24,8 @@ from kvfence.disagg.transfer import (
     TransferError,
     manifest_from_dict,
 )
-from kvfence.engine.sampling_params import InvalidRequest
 from kvfence.server.api import add_completion_routes, prepare, respond
-from kvfence.server.errors import APIError, api_error, bad_gateway
+from kvfence.server.errors import REFUSALS, APIError, api_error, bad_gateway
 
 PREFILL_URL_HEADER = "x-kvfence-prefill-url"
 TRANSFER_ID_HEADER = "x-kvfence-transfer-id"
@@ -102,6 +101,13 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
         except httpx.HTTPError:
             pass  # the prefill worker frees parked pages when their lease ends
 
+    async def release_routed(client, request: Request, auth: dict) -> None:
+        """Frees the parked KV of the transfer the router named, if it named one."""
+        prefill_url = request.headers.get(PREFILL_URL_HEADER)
+        transfer_id = request.headers.get(TRANSFER_ID_HEADER, "")
+        if prefill_url and TRANSFER_ID.fullmatch(transfer_id):
+            await release_at_prefill(client, prefill_url.rstrip("/"), transfer_id, auth)
+
     async def pull(
         s,
         manifest: Manifest,
@@ -133,18 +139,19 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
         deadline = time.monotonic() + transfer_timeout  # one deadline for the whole transfer
         s = request.app.state.server
         client: httpx.AsyncClient = request.app.state.http
-        p = await prepare(s, request, chat)
-        prompt = single_prompt(p)
-        prefill_url, transfer_id = routed_transfer(request, prompt)
         auth = (
             {"Authorization": request.headers["authorization"]}
             if "authorization" in request.headers
             else {}
         )
-        expected = len(prompt) - 1
-        handle = s.start_stream()  # counted toward --max-pending before any call out
-        rid = handle.ids[0]
+        handle = None
         try:
+            p = await prepare(s, request, chat)
+            prompt = single_prompt(p)
+            prefill_url, transfer_id = routed_transfer(request, prompt)
+            expected = len(prompt) - 1
+            handle = s.start_stream()  # counted toward --max-pending before any call out
+            rid = handle.ids[0]
             manifest = None
             if transfer_id:
                 manifest = await fetch_manifest(client, prefill_url, transfer_id, auth, deadline)
@@ -157,10 +164,12 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
                 lambda e: e.reserve(prompt, p.params, rid, p.tenant, expected)
             )
         except BaseException as e:
-            handle.close()
-            if transfer_id:
-                await release_at_prefill(client, prefill_url, transfer_id, auth)
-            if isinstance(e, InvalidRequest):
+            # Refused or failed here (a bad request, a busy worker, a bad manifest): the KV
+            # parked for it at the prefill worker is freed now, not at the end of its lease.
+            if handle is not None:
+                handle.close()
+            await release_routed(client, request, auth)
+            if isinstance(e, REFUSALS):
                 raise api_error(e) from None
             raise
         if manifest is None:

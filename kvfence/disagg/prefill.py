@@ -14,9 +14,8 @@ import time
 from fastapi import FastAPI, Request
 
 from kvfence.disagg.transfer import KVTransfer
-from kvfence.engine.sampling_params import InvalidRequest
 from kvfence.server.api import add_completion_routes, prepare
-from kvfence.server.errors import APIError, api_error, api_errors, raise_if_failed
+from kvfence.server.errors import REFUSALS, APIError, api_error, api_errors, raise_if_failed
 
 PARK_TIMEOUT_S = 60.0
 
@@ -59,7 +58,7 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
                 raise_if_failed(out)
                 if out.parked:
                     break
-        except InvalidRequest as e:
+        except REFUSALS as e:
             handle.close()
             raise api_error(e) from None
         except BaseException:

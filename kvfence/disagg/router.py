@@ -13,7 +13,6 @@ import logging
 from dataclasses import MISSING, dataclass
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -22,16 +21,16 @@ from kvfence import sse
 from kvfence.disagg import read_internal_token, worker_client
 from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
 from kvfence.options import option
-from kvfence.server.errors import bad_gateway, error_response
+from kvfence.server.auth import ApiKeys
+from kvfence.server.errors import APIError, bad_gateway, error_response, invalid_api_key
+from kvfence.server.listener import Listener, read_body, serve
 
 log = logging.getLogger("kvfence.router")
 FORWARDED_HEADERS = ("authorization", "content-type")
 
 
 @dataclass(kw_only=True)
-class RouterOptions:
-    host: str = option("127.0.0.1", "address to listen on", metavar="HOST")
-    port: int = option(8000, "port to listen on", metavar="PORT")
+class RouterOptions(Listener):
     prefill: list[str] = option(MISSING, "prefill worker URL (repeat)", metavar="URL")
     decode: list[str] = option(MISSING, "decode worker URL (repeat)", metavar="URL")
     internal_token_file: str | None = option(
@@ -40,12 +39,24 @@ class RouterOptions:
         "call needs it (required)",
         metavar="FILE",
     )
+    api_keys: str | None = option(
+        None,
+        "the workers' --api-keys file: a request without one of its keys is refused before "
+        "its body is read (the workers check the key again)",
+        metavar="FILE",
+    )
 
 
 def run_router(options: RouterOptions) -> int:
     token = read_internal_token(options.internal_token_file, "kvfence router")
-    app = create_router(options.prefill, options.decode, token)
-    uvicorn.run(app, host=options.host, port=options.port, log_level="warning", access_log=False)
+    keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
+    if options.public and not keys.enabled:
+        log.warning(
+            "WARNING: routing on %s without --api-keys: a client's body is read before any "
+            "worker checks its key",
+            options.host,
+        )
+    serve(create_router(options.prefill, options.decode, token, options, keys), options)
     return 0
 
 
@@ -57,8 +68,11 @@ def create_router(
     prefill_urls: list[str],
     decode_urls: list[str],
     internal_token: str,
+    listener: Listener | None = None,
+    keys: ApiKeys | None = None,
     timeout: float = 600,
 ) -> FastAPI:
+    listener, keys = listener or Listener(), keys or ApiKeys()
     app = FastAPI(title="kvfence router")
     prefill_urls = [u.rstrip("/") for u in prefill_urls]
     decode_urls = [u.rstrip("/") for u in decode_urls]
@@ -102,7 +116,13 @@ def create_router(
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def route(request: Request, path: str):
-        body = await request.body()
+        try:
+            if keys.enabled and keys.tenant_for(request.headers.get("authorization")) is None:
+                raise invalid_api_key()
+            body = await read_body(request, listener)
+        except APIError as e:
+            routed.labels("refused_at_router").inc()
+            return error_response(e)
         headers = _forward(request)
         # A worker that refuses the connection never saw the request: try the next one.
         for prefill in in_turn(prefill_urls):
@@ -153,12 +173,14 @@ def create_router(
                 break
         else:
             failure = "no decode worker accepts connections"
+        # No decode worker took the request, or one refused it (whoever answered, even before
+        # kvfence's handler): its KV parked at the prefill worker is freed now.
+        if transfer_id and (upstream is None or upstream.status_code != 200):
+            await _quietly(
+                client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers)
+            )
         if upstream is None:
             routed.labels("decode_unavailable").inc()
-            if transfer_id:
-                await _quietly(
-                    client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers)
-                )
             return _error(failure, "decode_unavailable")
         routed.labels("ok" if upstream.status_code == 200 else "failed_at_decode").inc()
         media = upstream.headers.get("content-type", "application/json")

@@ -8,6 +8,7 @@ page, so the receiver can prove it holds exactly what was sent.
 """
 
 import base64
+import logging
 import os
 import threading
 import time
@@ -20,6 +21,7 @@ from pydantic.dataclasses import dataclass
 from kvfence.kv.pool import KVPool
 
 POLL_S = 0.0005
+log = logging.getLogger("kvfence.transfer")
 
 
 class TransferError(RuntimeError):
@@ -103,18 +105,28 @@ class KVTransfer:
     def _poll(self) -> None:
         while True:
             self._wake.wait()
-            notes = self.agent.get_new_notifs()
-            done = [msg.decode() for msgs in notes.values() for msg in msgs]
-            now = time.monotonic()
-            with self._lock:
-                for tid in done + [t for t, deadline in self._expected.items() if deadline < now]:
-                    self._expected.pop(tid, None)
-                if not self._expected:
-                    self._wake.clear()
-            for tid in done:
-                if self.on_pulled:
-                    self.on_pulled(tid)
+            try:
+                self._take_notifications()
+            except Exception:  # the thread outlives any one bad notification or callback
+                log.exception("KV transfer notifications: polling failed")
+                time.sleep(1)
             time.sleep(0.001)
+
+    def _take_notifications(self) -> None:
+        """Readers' notifications that they are done: only a transfer expected here counts,
+        whatever else a peer sends."""
+        notes = self.agent.get_new_notifs()
+        sent = [msg.decode("ascii", "replace") for msgs in notes.values() for msg in msgs]
+        now = time.monotonic()
+        with self._lock:
+            done = [tid for tid in sent if self._expected.pop(tid, None) is not None]
+            for tid in [t for t, deadline in self._expected.items() if deadline < now]:
+                del self._expected[tid]
+            if not self._expected:
+                self._wake.clear()
+        for tid in done:
+            if self.on_pulled:
+                self.on_pulled(tid)
 
     def address(self, tensor: torch.Tensor, layer: int, slot: int) -> int:
         return tensor.data_ptr() + layer * self.layer_stride + slot * self.slot_bytes

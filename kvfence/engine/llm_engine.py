@@ -5,6 +5,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,10 @@ from kvfence.model.tokenizer import encode, load_tokenizer
 
 log = logging.getLogger("kvfence.engine")
 request_log = logging.getLogger("kvfence.requests")
+
+
+class Unavailable(Exception):
+    """The engine admits no request any more (its request log cannot be written)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class LLMEngine:
             max_bytes = int(config.request_log_max_mb * 2**20)
             self.request_log = RequestLog(config.request_log, max_bytes)
         self.on_finish: list = []  # called with each finished request's record (server metrics)
+        self.unavailable: str | None = None  # why no request is admitted any more
 
     def describe(self) -> str:
         """One line on what this engine runs, for the start-up log."""
@@ -124,6 +130,10 @@ class LLMEngine:
         prompt's prefill)."""
         return self.admission.check(prompt_ids, params, kv_tokens)
 
+    def check_available(self) -> None:
+        if self.unavailable is not None:
+            raise Unavailable(self.unavailable)
+
     def set_tenant_shares(self, shares: dict[str, Share]) -> None:
         """Each tenant's weight and running cap under fair scheduling (tenants not named have
         Share())."""
@@ -145,16 +155,26 @@ class LLMEngine:
         return self.add_requests({request_id: prompt_ids}, params or SamplingParams(), tenant)[0]
 
     def add_requests(
-        self, prompts: dict[str, list[int]], params: SamplingParams, tenant: str
+        self,
+        prompts: dict[str, list[int]],
+        params: SamplingParams,
+        tenant: str,
+        charge: Callable[[int], None] | None = None,
     ) -> list[list[Request]]:
         """Admits every prompt (by request id) or none: InvalidRequest comes before anything is
-        queued. Each prompt's n sequences are then queued."""
+        queued. `charge` is then told the most tokens admission allows the request (prompts
+        and every sequence's max_tokens) and may refuse it by raising. Each prompt's n
+        sequences are then queued."""
+        self.check_available()
         for request_id in prompts:
             if request_id in self.requests:
                 raise InvalidRequest(f"request id {request_id} is already in use", "request_id")
         admitted = {
             rid: self.admission.requests(ids, params, rid, tenant) for rid, ids in prompts.items()
         }
+        if charge is not None:
+            sequences = [req for children in admitted.values() for req in children]
+            charge(sum(map(len, prompts.values())) + sum(r.max_tokens for r in sequences))
         for request_id, children in admitted.items():
             self._queue(request_id, children)
         return list(admitted.values())
@@ -200,6 +220,7 @@ class LLMEngine:
     ) -> Request:
         """Computes the KV of every prompt token but the last, then parks the request with
         its pages for `lease_s` seconds or until the decode worker has pulled them."""
+        self.check_available()
         req = self.admission.prefill_only(prompt_ids, params, request_id, tenant)
         req.lease_s = lease_s
         self._queue(request_id, [req])
@@ -221,6 +242,7 @@ class LLMEngine:
     ) -> Request:
         """Admits a request whose first `kv_tokens` prompt tokens arrive as KV from a prefill
         worker, and reserves pages for them. It is not scheduled until end_transfer."""
+        self.check_available()
         req = self.admission.remote(prompt_ids, params, request_id, tenant)
         self.remote.receive(req, kv_tokens)
         self.requests[request_id] = [req]
@@ -255,17 +277,33 @@ class LLMEngine:
         for hook in self.on_finish:
             hook(record)
         if self.request_log is not None:
-            self.request_log.write(audit_record(record, req, self.config.kv_sentinel))
+            self._log_request(audit_record(record, req, self.config.kv_sentinel))
 
-    def abort(self, request_id: str) -> list[RequestOutput]:
+    def _log_request(self, record: dict) -> None:
+        """A request the log cannot record would be served unseen: the engine then admits
+        nothing more (it fails closed), and says why."""
+        try:
+            self.request_log.write(record)
+        except Exception as e:  # a full disk, a size limit, a rotation that failed
+            if self.unavailable is None:
+                log.error("the request log cannot be written, refusing new requests: %s", e)
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else e
+            self.unavailable = (
+                f"the request log cannot be written ({reason}); this server admits no "
+                "request until it is restarted with a writable one"
+            )
+
+    def abort(self, request_id: str, error: str | None = None) -> list[RequestOutput]:
         """Ends a request and frees its pages, except pages a transfer may still touch
-        (engine/remote_kv.py frees those)."""
+        (engine/remote_kv.py frees those): ABORTED (its client left), or FAILED with `error`
+        where the engine failed it."""
         if request_id in self.remote.parked:
             return []
+        state = RequestState.ABORTED if error is None else RequestState.FAILED
         outputs = []
         for req in self.requests.pop(request_id, []):
             if not req.is_terminal:
-                self.finish(req, RequestState.ABORTED)
+                self.finish(req, state, error)
                 outputs.append(self._output(req))
         return outputs
 

@@ -6,8 +6,10 @@ prefill chunks of running requests and new requests from the waiting queue, whil
 sequence slots and pages last. Prefill work goes to the tenant with the least weighted
 service so far (the Virtual Token Counter of Sheng et al., "Fairness in Serving Large
 Language Models", OSDI 2024): each computed token adds 1 / weight to its tenant's counter,
-and a tenant that becomes active again starts at the lowest active counter, so it cannot
-bank idle time. Within a tenant, first come first served; under `fifo`, across tenants too.
+and a tenant that joins the waiting queue starts at least at the lowest counter of the other
+tenants with requests in the engine, or, in an empty engine, at the counter of the tenant
+whose request departed last, so it cannot bank idle time. Within a tenant, first come first
+served; under `fifo`, across tenants too.
 When a running request needs a page and none is free, a running request not yet in this
 step's batch is preempted, the most recently admitted of the tenant most over its share:
 its pages are freed and it goes back to the front of the waiting queue.
@@ -51,7 +53,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._waiting: Counter[str] = Counter()  # waiting requests, per tenant
         self._active: Counter[str] = Counter()  # requests waiting or running, per tenant
+        self._last_departed = 0.0  # counter of the tenant whose request left the engine last
         # Admitting a new request leaves this many pages for running ones to grow into.
         self.watermark = max(1, allocator.num_pages // 100)
 
@@ -60,10 +64,11 @@ class Scheduler:
             raise RuntimeError(
                 f"request {req.request_id} is {req.state.value} and cannot be queued"
             )
-        if not self._active[req.tenant]:  # becoming active: no credit for the time it was idle
-            active = [self.counters[t] for t, n in self._active.items() if n]
-            if active:
-                self.counters[req.tenant] = max(self.counters[req.tenant], min(active))
+        if not self._waiting[req.tenant]:  # joining the queue: no credit for the time away
+            others = [self.counters[t] for t, n in self._active.items() if n and t != req.tenant]
+            floor = min(others) if others else self._last_departed
+            self.counters[req.tenant] = max(self.counters[req.tenant], floor)
+        self._waiting[req.tenant] += 1
         self._active[req.tenant] += 1
         self.waiting.append(req)
 
@@ -71,10 +76,15 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
-            self.waiting.remove(req)
+            self._leave_waiting(req)
         else:
             return
         self._active[req.tenant] -= 1
+        self._last_departed = self.counters[req.tenant]
+
+    def _leave_waiting(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self._waiting[req.tenant] -= 1
 
     @property
     def num_unfinished(self) -> int:
@@ -152,7 +162,7 @@ class Scheduler:
         needed = self.allocator.pages_for(req.num_computed_tokens + n) - len(req.block_table)
         if needed + self.watermark > self._available() or not self._reserve(req, n):
             return False
-        self.waiting.remove(req)
+        self._leave_waiting(req)
         self.running.append(req)
         req.set_state(RequestState.RUNNING)
         batch.append((req, n))
@@ -192,6 +202,7 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.set_state(RequestState.PREEMPTED)
+        self._waiting[req.tenant] += 1
         self.waiting.appendleft(req)
 
     def _drop_terminal(self) -> None:

@@ -19,9 +19,11 @@ from kvfence.engine.sampling_params import SamplingParams
 from kvfence.engine.scheduler import Share
 from kvfence.model.tokenizer import apply_chat_template, encode
 from kvfence.server.async_engine import (
+    LOST,
     STREAM_STALL_TIMEOUT_S,
     AsyncEngine,
     ClientDisconnected,
+    EngineFailed,
     RequestHandle,
     StreamStalled,
 )
@@ -31,9 +33,11 @@ from kvfence.server.errors import (
     api_error,
     api_errors,
     error_response,
+    invalid_api_key,
     raise_if_failed,
     request_failed,
 )
+from kvfence.server.listener import Listener, read_body
 from kvfence.server.metrics import Metrics
 from kvfence.server.protocol import (
     ChatCompletionRequest,
@@ -76,7 +80,7 @@ def _is_union_tag(loc_item) -> bool:
     )
 
 
-async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
+async def parse_body(request: Request, model: type[BaseModel], listener: Listener):
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type != "application/json":
         raise APIError(
@@ -84,21 +88,14 @@ async def parse_body(request: Request, model: type[BaseModel], max_bytes: int):
             f"Content-Type must be application/json, not '{content_type or 'none'}'",
             code="unsupported_media_type",
         )
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > max_bytes:
-        raise APIError(413, f"request body over the {max_bytes}-byte limit", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(
-                413,
-                f"request body over the {max_bytes}-byte limit",
-                code="body_too_large",
-            )
-        chunks.append(chunk)
+    raw = await read_body(request, listener)
+    # Work that grows with the body runs off the event loop, between no one's stream events.
+    return await asyncio.to_thread(_decode_body, raw, model)
+
+
+def _decode_body(raw: bytes, model: type[BaseModel]):
     try:
-        data = json.loads(b"".join(chunks))
+        data = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
@@ -124,7 +121,7 @@ class Server:
         api_keys: ApiKeys,
         served_model_name: str | None = None,
         max_pending: int = 256,
-        max_body_bytes: int = 4 * 1024 * 1024,
+        listener: Listener | None = None,
         stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
         report_cached_tokens: bool = True,
     ):
@@ -134,7 +131,7 @@ class Server:
         # Off where every caller shares one prefix cache: the count tells who sent a prompt.
         self.report_cached_tokens = report_cached_tokens
         self.model_name = served_model_name or engine.model_name
-        self.max_body_bytes = max_body_bytes
+        self.listener = listener or Listener()
         self.metrics = Metrics(lambda: engine)
         self.tokenizer = engine.tokenizer
         self.quotas = Quotas(api_keys)
@@ -148,14 +145,14 @@ class Server:
 
     # --- request handling helpers ---------------------------------------------------------
 
+    def unavailable(self) -> str | None:
+        """Why this server serves no request any more, if it does not."""
+        return LOST if self.async_engine.lost else self.engine.unavailable
+
     def tenant(self, request: Request) -> str:
         tenant = self.api_keys.tenant_for(request.headers.get("authorization"))
         if tenant is None:
-            raise APIError(
-                401,
-                "invalid or missing API key: send 'Authorization: Bearer KEY'",
-                code="invalid_api_key",
-            )
+            raise invalid_api_key()
         return tenant
 
     def check_model(self, model: str | None) -> None:
@@ -170,7 +167,7 @@ class Server:
     async def parse(self, request: Request, model: type[BaseModel]):
         """(tenant, body) of a request for this server's model; the key is checked first."""
         tenant = self.tenant(request)
-        body = await parse_body(request, model, self.max_body_bytes)
+        body = await parse_body(request, model, self.listener)
         self.check_model(body.model)
         return tenant, body
 
@@ -190,7 +187,7 @@ class Server:
                 param="prompt",
             )
         texts = [p for p in prompts if isinstance(p, str)]
-        if any(len(t) > self.max_body_bytes for t in texts):
+        if any(len(t) > self.listener.max_body_bytes for t in texts):
             raise APIError(400, "prompt too long", param="prompt", code="context_length_exceeded")
         return [
             await asyncio.to_thread(encode, self.tokenizer, p, templated)
@@ -200,22 +197,22 @@ class Server:
         ]
 
     async def start(self, prompts, params, tenant) -> RequestHandle:
-        """Submits a request to the engine once its tenant's limits allow it: admission errors
-        become 400, a tenant over its limits or an overloaded server 429."""
+        """Submits a request to the engine: admission errors become 400; once admitted, it is
+        charged to its tenant's limits from the max_tokens admission allows it (never from the
+        raw request), and a tenant over its limits or an overloaded server gets 429. The
+        charge is refunded what the request did not generate when it ends."""
         prompt_tokens = sum(len(p) for p in prompts)
-        most = prompt_tokens + params.n * sum(
-            params.max_tokens or self.engine.max_model_len - len(p) for p in prompts
-        )
+        charged = []
+
+        def charge(tokens: int) -> None:  # on the engine thread, before anything is queued
+            charged.append((self.quotas.charge(tenant, len(prompts) * params.n, tokens), tokens))
+
+        def refund(handle: RequestHandle) -> None:
+            for c, most in charged:
+                self.quotas.refund(c, most - prompt_tokens - handle.generated)
+
         with api_errors():
-            charge = self.quotas.charge(tenant, len(prompts) * params.n, most)
-        try:
-            with api_errors():
-                handle = await self.async_engine.submit(prompts, params, tenant)
-        except APIError:
-            self.quotas.refund(charge, most)
-            raise
-        handle.on_close = lambda h: self.quotas.refund(charge, most - prompt_tokens - h.generated)
-        return handle
+            return await self.async_engine.submit(prompts, params, tenant, charge, refund)
 
     def start_stream(self) -> RequestHandle:
         """Opens the output stream of one request that a disaggregated worker adds itself. It
@@ -235,6 +232,8 @@ class Server:
                     index, out = await handle.next()
                 except ClientDisconnected:
                     return
+                except EngineFailed as e:
+                    raise request_failed(str(e)) from None
                 now = time.monotonic()
                 if out.delta_token_ids:
                     (self.metrics.ttft if first else self.metrics.itl).observe(
@@ -271,14 +270,20 @@ async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
     with api_errors():
         body.check_supported()
     if chat:
-        try:
-            text = apply_chat_template(s.tokenizer, body.conversation())
-        except Exception as e:  # templates raise their own errors for bad conversations
-            raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        text = await render_chat(s.tokenizer, body.conversation())
         prompts = await s.tokenize_prompts(text, templated=True)
     else:
         prompts = await s.tokenize_prompts(body.prompt)
     return Prepared(body, chat, prompts, body.sampling_params(), tenant)
+
+
+async def render_chat(tokenizer, messages: list[dict]) -> str:
+    """The chat template over `messages`, off the event loop; a conversation the template
+    refuses (templates raise their own errors) is a 400."""
+    try:
+        return await asyncio.to_thread(apply_chat_template, tokenizer, messages)
+    except Exception as e:
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
 async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Request):
@@ -356,8 +361,14 @@ def create_app(
 
     @app.get("/health")
     async def health(request: Request):
-        fault = srv(request).engine.config.inject_fault
-        return {"status": "ok", "role": role, **({"fault": fault} if fault else {})}
+        s = srv(request)
+        fault = s.engine.config.inject_fault
+        faulty = {"fault": fault} if fault else {}
+        unavailable = s.unavailable()
+        if unavailable:  # a load balancer or supervisor takes this instance out
+            body = {"status": "unavailable", "role": role, "reason": unavailable, **faulty}
+            return JSONResponse(body, status_code=503)
+        return {"status": "ok", "role": role, **faulty}
 
     if serve_metrics:
 
@@ -394,9 +405,8 @@ def create_app(
         text = (
             body.prompt
             if body.prompt is not None
-            else apply_chat_template(
-                s.tokenizer,
-                [{"role": m.role, "content": m.text()} for m in body.messages],
+            else await render_chat(
+                s.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages]
             )
         )
         tokens = await asyncio.to_thread(encode, s.tokenizer, text, body.messages is not None)
@@ -413,7 +423,7 @@ def create_app(
         vocab = s.engine.model_config.vocab_size
         if not all(0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab})", param="tokens")
-        return {"prompt": s.tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(s.tokenizer.decode, body.tokens)}
 
     if role == "unified":
 
@@ -459,4 +469,6 @@ async def _stream(s: Server, handle, request, build: Responses, prompts, include
                 yield sse.event(build.usage_chunk(prompts, completion_tokens, sum(cached.values())))
     except StreamStalled as e:  # read only by a client that comes back to its stream
         yield sse.event(api_error(e).body())
+    except APIError as e:  # the engine failed the request
+        yield sse.event(e.body())
     yield sse.DONE

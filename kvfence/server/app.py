@@ -1,15 +1,11 @@
 """`kvfence serve`: the server assembled from its options and run."""
 
-import ipaddress
 import logging
 import os
-import socket
 import sys
 from collections.abc import Callable
 
-import uvicorn
 from fastapi import FastAPI
-from uvicorn.config import STARTUP_FAILURE
 
 from kvfence.config import ConfigError, EngineConfig
 from kvfence.engine.llm_engine import EngineParts, LLMEngine
@@ -18,12 +14,10 @@ from kvfence.model.config import ModelLoadError
 from kvfence.model.loader import resolve_model_path
 from kvfence.server.api import Server, create_app
 from kvfence.server.auth import ApiKeys
+from kvfence.server.listener import serve
 from kvfence.server.options import ServerConfig
 
 log = logging.getLogger("kvfence.server")
-# Unsent bytes the kernel keeps per connection: a client that stops reading then blocks its
-# stream after tens of KB, instead of the megabytes a send buffer grows to on its own.
-UNSENT_BYTES_LIMIT = 16 * 1024
 
 
 def injected_fault(config: EngineConfig):
@@ -48,8 +42,7 @@ def run_server(
     engine is built in the app's startup; a worker (disagg/worker.py) adds its routes
     (`extend`) and its transport once the engine is there (`on_built`)."""
     keys = ApiKeys.from_file(options.api_keys) if options.api_keys else ApiKeys()
-    public = is_public(options.host)
-    if public and not keys.enabled:
+    if options.public and not keys.enabled:
         log.warning(
             "WARNING: serving on %s without API keys: anyone who can reach this address "
             "can use the model. Pass --api-keys FILE.",
@@ -67,9 +60,9 @@ def run_server(
             keys,
             options.served_model_name,
             options.max_pending,
-            options.max_body_bytes,
+            options,
             stream_stall_timeout=options.stream_stall_timeout,
-            report_cached_tokens=keys.enabled or not public,
+            report_cached_tokens=keys.enabled or not options.public,
         )
         if options.metrics_port is not None:
             server.metrics.serve(options.metrics_host, options.metrics_port)
@@ -96,32 +89,8 @@ def run_server(
     app = create_app(build_or_exit, role=options.role, serve_metrics=options.metrics_port is None)
     if extend:
         extend(app)
-    serve(app, options.host, options.port, log_level="warning", access_log=False, **uvicorn_options)
+    serve(app, options, **uvicorn_options)
     return 0
-
-
-def is_public(host: str) -> bool:
-    """Whether `host` listens beyond this machine."""
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host != "localhost"
-
-
-def serve(app: FastAPI, host: str, port: int, **uvicorn_options) -> None:
-    """Runs the app with uvicorn on a socket that holds little unsent data, so that a stream
-    whose client stops reading is soon not pulled (and aborted, --stream-stall-timeout)."""
-    config = uvicorn.Config(app, host=host, port=port, **uvicorn_options)
-    sock = config.bind_socket()
-    if hasattr(socket, "TCP_NOTSENT_LOWAT"):  # Linux and macOS
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, UNSENT_BYTES_LIMIT)
-    server = uvicorn.Server(config)
-    try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:
-        pass
-    if not server.started:
-        sys.exit(STARTUP_FAILURE)
 
 
 def refusal_line(e: Exception) -> str | None:

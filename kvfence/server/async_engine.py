@@ -6,18 +6,25 @@ engine's steps overlap; the engine only ever runs on this one thread.
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfence.engine.llm_engine import LLMEngine
+from kvfence.engine.llm_engine import LLMEngine, Unavailable
 from kvfence.engine.output import RequestOutput, merged
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 
 log = logging.getLogger("kvfence.server")
 STREAM_STALL_TIMEOUT_S = 30.0
+# A lost engine thread ends the process, with this code, once clients have had their errors
+ENGINE_LOST_EXIT_CODE = 70
+ENGINE_LOST_GRACE_S = 2.0
+MAX_FAILED_STEPS = 3  # steps failed in a row, each after failing every request, before that
+LOST = "the engine thread stopped; the process exits for a supervisor to restart it"
 
 
 class Overloaded(Exception):
@@ -30,6 +37,10 @@ class ClientDisconnected(Exception):
 
 class StreamStalled(Exception):
     """The client stopped taking outputs for too long; the request was aborted."""
+
+
+class EngineFailed(Exception):
+    """The engine could not end the request cleanly after a failure of its own."""
 
 
 @dataclass
@@ -53,22 +64,34 @@ class AsyncEngine:
         self._in_flight = 0
         self._held: dict[str, int] = {}  # request id -> sequences counted until the engine drops it
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="kvfence-engine", daemon=True)
+        self.lost = False  # the engine thread stopped: nothing is served any more
+        self._thread = threading.Thread(target=self._run, name="kvfence-engine", daemon=True)
         self._thread.start()
 
     async def submit(
-        self, prompts: list[list[int]], params: SamplingParams, tenant: str
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        tenant: str,
+        charge: Callable[[int], None] | None = None,
+        on_release: Callable[["RequestHandle"], None] | None = None,
     ) -> "RequestHandle":
         """Opens the request's streams (Overloaded or InvalidRequest past max_pending), then has
-        the engine thread admit every prompt or none: a refusal (InvalidRequest) is raised
-        here, before any output, and leaves nothing queued."""
+        the engine thread admit every prompt or none and `charge` the tokens admission allows
+        it (LLMEngine.add_requests): a refusal is raised here, before any output, and leaves
+        nothing queued. `on_release` runs once the request holds no slot any more."""
         handle = self.open(len(prompts), params.n)
+        handle.on_release = on_release
+        ids = dict(zip(handle.ids, prompts))
+        added = asyncio.ensure_future(
+            self.call(lambda e: e.add_requests(ids, params, tenant, charge))
+        )
         try:
-            await self.call(
-                lambda e: e.add_requests(dict(zip(handle.ids, prompts)), params, tenant)
-            )
+            await asyncio.shield(added)
         except BaseException:
-            handle.close()
+            # Cancelled or refused: end the request once the engine thread has admitted or
+            # refused it (it does either way), however often this task is cancelled.
+            added.add_done_callback(lambda f: (f.cancelled() or f.exception(), handle.close()))
             raise
         return handle
 
@@ -76,7 +99,7 @@ class AsyncEngine:
         """Registers the output streams of a request about to enter the engine; it counts as
         num_prompts x n sequences toward max_pending, `held` ones until the engine has let go
         of their pages (KV parked for a reader, or under transfer), even after the stream closes."""
-        sequences = num_prompts * n
+        sequences = num_prompts * max(n, 1)  # an invalid n is admission's to refuse
         if sequences > self.max_pending:  # never fits: retrying would not help
             raise InvalidRequest(
                 f"the request asks for {sequences} sequences ({num_prompts} prompts x n={n}); this "
@@ -102,6 +125,8 @@ class AsyncEngine:
 
     async def call(self, fn):
         """Runs fn(engine) on the engine thread (the only thread that touches the engine)."""
+        if self.lost:
+            raise Unavailable(LOST)
         future = asyncio.get_running_loop().create_future()
         self._inbox.put(("call", future, fn))
         return await future
@@ -111,6 +136,10 @@ class AsyncEngine:
             self._streams.pop(rid, None)
             if handle.remaining:
                 self._inbox.put(("abort", rid))
+
+    def _release(self, handle: "RequestHandle") -> None:
+        """The handle's sequences stop counting toward max_pending: now, or for a held one once
+        the engine has let go of their pages."""
         with self._lock:
             if handle.held:
                 self._held.update(
@@ -153,7 +182,30 @@ class AsyncEngine:
         if kind == "abort":
             self.engine.abort(rid)
 
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # a failure of the failure handling, or steps that fail whatever they run
+            self.lost = True
+            log.critical(
+                "the engine thread stopped; exiting with code %d so that a supervisor restarts "
+                "the server",
+                ENGINE_LOST_EXIT_CODE,
+            )
+            self._tell_everyone()
+            threading.Timer(ENGINE_LOST_GRACE_S, os._exit, (ENGINE_LOST_EXIT_CODE,)).start()
+
+    def _tell_everyone(self) -> None:
+        """The engine is lost: every waiting call and every open stream gets its error."""
+        while not self._inbox.empty():
+            kind, future, *_ = self._inbox.get_nowait()
+            if kind == "call" and future is not None:
+                future.get_loop().call_soon_threadsafe(_settle, future, None, Unavailable(LOST))
+        for stream in list(self._streams.values()):
+            stream.handle.loop.call_soon_threadsafe(stream.handle.cancel, EngineFailed(LOST))
+
     def _loop(self) -> None:
+        failures = 0  # steps failed in a row
         while True:
             try:
                 if not self.engine.has_unfinished():
@@ -167,13 +219,32 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                 if self._held:
                     self._settle_held()
+                failures = 0
             except Exception:  # fail every live request loudly, keep serving
                 log.exception("engine step failed; failing the requests in flight")
-                for rid in list(self.engine.requests):
-                    for out in self.engine.abort(rid):
-                        out.error = "internal error in the engine step"
-                        out.finish_reason = "error"
-                        self._deliver(rid, out)
+                self._fail_all("internal error in the engine step")
+                failures += 1
+                if failures >= MAX_FAILED_STEPS:  # failing whatever it is given: it is lost
+                    raise
+
+    def _fail_all(self, error: str) -> None:
+        """Fails every request in the engine (FAILED, not a client's abort); one that cannot
+        be ended cleanly is dropped and its client told, the thread goes on."""
+        for rid in list(self.engine.requests):
+            try:
+                outputs = self.engine.abort(rid, error)
+            except Exception:
+                log.exception("request %s could not be ended cleanly; dropping it", rid)
+                for req in self.engine.requests.pop(rid, []):
+                    self.engine.scheduler.remove(req)
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.handle.loop.call_soon_threadsafe(
+                        stream.handle.cancel, EngineFailed(error)
+                    )
+                continue
+            for out in outputs:
+                self._deliver(rid, out)
 
 
 def _settle(future: asyncio.Future, result, error) -> None:
@@ -201,9 +272,11 @@ class RequestHandle:
         self.engine = engine
         self.held = held
         self.generated = 0  # tokens delivered, read or not
-        self.on_close = None  # called with this handle once it closes
+        self.on_release = None  # called with this handle once it holds no slot any more
         self.ids = ids
         self.num_sequences = self.remaining = num_sequences
+        self.running = num_sequences  # sequences the engine has not finished
+        self.released = False
         self.stall_timeout = stall_timeout
         self.loop = asyncio.get_running_loop()
         self.closed = False
@@ -217,6 +290,10 @@ class RequestHandle:
         if self.closed:
             return
         self.generated += len(item.delta_token_ids)
+        if item.finished:
+            self.running -= 1
+            if not self.running:  # done in the engine: the slots go back, read or not
+                self.release()
         held = self._pending.get(index)
         self._pending[index] = item if held is None else merged(held, item)
         now = time.monotonic()
@@ -264,8 +341,17 @@ class RequestHandle:
         if not self.closed:
             self.closed = True
             self.engine._close(self)
-            if self.on_close:
-                self.on_close(self)
+            self.release()
+
+    def release(self) -> None:
+        """Gives back the request's slots (--max-pending, its tenant's limits), once: when the
+        engine has finished it or when it closes, whichever comes first, whatever the client
+        does."""
+        if not self.released:
+            self.released = True
+            self.engine._release(self)
+            if self.on_release:
+                self.on_release(self)
 
     def detach(self) -> None:
         """Stops listening but leaves the request in the engine (a parked prefill)."""

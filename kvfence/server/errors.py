@@ -5,13 +5,14 @@ from contextlib import contextmanager
 
 from fastapi.responses import JSONResponse
 
+from kvfence.engine.llm_engine import Unavailable
 from kvfence.engine.output import RequestOutput
 from kvfence.engine.sampling_params import InvalidRequest
 from kvfence.server.async_engine import Overloaded, StreamStalled
 from kvfence.server.quotas import OverQuota
 
 # What a client can be told it did, or must wait for; anything else is an internal error.
-REFUSALS = (InvalidRequest, OverQuota, Overloaded, StreamStalled)
+REFUSALS = (InvalidRequest, OverQuota, Overloaded, StreamStalled, Unavailable)
 
 
 def error_body(
@@ -68,6 +69,8 @@ def api_error(e: Exception) -> APIError:
         )
     if isinstance(e, StreamStalled):
         return APIError(408, str(e), type="timeout_error", code="stream_stalled")
+    if isinstance(e, Unavailable):
+        return APIError(503, str(e), type="internal_error", code="service_unavailable")
     raise TypeError(f"{type(e).__name__} is not a refusal a client can be told of")
 
 
@@ -78,6 +81,12 @@ def api_errors():
         yield
     except REFUSALS as e:
         raise api_error(e) from None
+
+
+def invalid_api_key() -> APIError:
+    return APIError(
+        401, "invalid or missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key"
+    )
 
 
 def request_failed(message: str) -> APIError:

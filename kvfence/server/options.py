@@ -1,4 +1,5 @@
-"""The options of `kvfence serve` beyond the engine's: listener, keys, limits, disaggregated roles.
+"""The options of `kvfence serve` beyond the engine's: listener (server/listener.py), keys,
+limits, disaggregated roles.
 
 Fields are declared as EngineConfig's are (kvfence.options.option): kvfence.cli makes the flags
 and the README's flag table from them.
@@ -9,16 +10,11 @@ from typing import Literal
 
 from kvfence.config import ConfigError, check_choices
 from kvfence.options import option
+from kvfence.server.listener import Listener
 
 
-@dataclass
-class ServerConfig:
-    host: str = option(
-        "127.0.0.1",
-        "address to listen on; a non-loopback host without --api-keys prints a warning",
-        metavar="HOST",
-    )
-    port: int = option(8000, "port to listen on", metavar="PORT")
+@dataclass(kw_only=True)
+class ServerConfig(Listener):
     api_keys: str | None = option(
         None,
         'JSON file {"KEY": "tenant"} or {"KEY": {"tenant": ..., limits}} (see Tenants in '
@@ -33,7 +29,6 @@ class ServerConfig:
         "sequences in flight (a request counts n per prompt) before 429 with Retry-After; "
         "a request of more sequences gets 400",
     )
-    max_body_bytes: int = option(4 * 1024 * 1024, "largest request body accepted")
     stream_stall_timeout: float = option(
         30.0,
         "seconds a streaming client may leave its output unread before its request is "
@@ -68,6 +63,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         check_choices(self)
         if self.stream_stall_timeout <= 0:
             raise ConfigError(

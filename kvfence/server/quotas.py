@@ -37,6 +37,8 @@ class Quotas:
 
     def charge(self, tenant: str, sequences: int, tokens: int) -> Charge:
         """Takes `sequences` and `tokens` from the tenant's limits, or raises OverQuota."""
+        if sequences < 1 or tokens < 0:  # a negative charge would credit the tenant
+            raise ValueError(f"a charge of {sequences} sequences and {tokens} tokens")
         limits = self.keys.limits(tenant)
         most = (
             None  # the engine runs max_concurrent_requests at once; max_queued_requests more wait
