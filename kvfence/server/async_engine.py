@@ -23,7 +23,6 @@ STREAM_STALL_TIMEOUT_S = 30.0
 # A lost engine thread ends the process, with this code, once clients have had their errors
 ENGINE_LOST_EXIT_CODE = 70
 ENGINE_LOST_GRACE_S = 2.0
-MAX_FAILED_STEPS = 3  # steps failed in a row, each after failing every request, before that
 LOST = "the engine thread stopped; the process exits for a supervisor to restart it"
 
 
@@ -185,7 +184,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             self._loop()
-        finally:  # a failure of the failure handling, or steps that fail whatever they run
+        finally:  # only a failure of the failure handling itself gets here
             self.lost = True
             log.critical(
                 "the engine thread stopped; exiting with code %d so that a supervisor restarts "
@@ -205,7 +204,6 @@ class AsyncEngine:
             stream.handle.loop.call_soon_threadsafe(stream.handle.cancel, EngineFailed(LOST))
 
     def _loop(self) -> None:
-        failures = 0  # steps failed in a row
         while True:
             try:
                 if not self.engine.has_unfinished():
@@ -219,13 +217,9 @@ class AsyncEngine:
                     self._deliver(out.request_id, out)
                 if self._held:
                     self._settle_held()
-                failures = 0
             except Exception:  # fail every live request loudly, keep serving
                 log.exception("engine step failed; failing the requests in flight")
                 self._fail_all("internal error in the engine step")
-                failures += 1
-                if failures >= MAX_FAILED_STEPS:  # failing whatever it is given: it is lost
-                    raise
 
     def _fail_all(self, error: str) -> None:
         """Fails every request in the engine (FAILED, not a client's abort); one that cannot
