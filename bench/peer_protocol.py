@@ -11,8 +11,10 @@ and a JSON object (engines log on stdout too).
 import argparse
 import functools
 import json
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 RESULT_PREFIX = "PEER-RESULT "
 
@@ -61,3 +63,33 @@ def serve(start, generate, args: argparse.Namespace, name: str) -> None:
                 "tok_s": tokens / seconds,
             }
         )
+
+
+class Peer:
+    """A peer engine in its own virtualenv (bench/peer_protocol.py), started once; runs the
+    workloads of its file when asked."""
+
+    def __init__(self, python: str, script: str, args: list[str]):
+        self.prefix = RESULT_PREFIX
+        self.proc = subprocess.Popen(
+            [python, str(Path(__file__).parent / script), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self.result()  # waits for start-up
+
+    def result(self) -> dict:
+        for line in self.proc.stdout:  # engines log on stdout too
+            if line.startswith(self.prefix):
+                return json.loads(line[len(self.prefix) :])
+        raise RuntimeError(f"{self.proc.args[1]} exited with {self.proc.wait()}")
+
+    def run(self, workload_name: str) -> dict:
+        self.proc.stdin.write(workload_name + "\n")
+        self.proc.stdin.flush()
+        return self.result()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()

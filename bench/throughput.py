@@ -24,7 +24,6 @@ bytes per token over the read bandwidth measured here).
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 from contextlib import ExitStack
@@ -43,6 +42,7 @@ from common import (
     run_kvfence,
 )
 from kvfence import LLM, SamplingParams
+from peer_protocol import Peer
 
 # isort: split
 import torch  # after kvfence (see common.py)
@@ -104,38 +104,6 @@ def run_transformers(
         "seconds": elapsed,
         "tok_s": generated / elapsed,
     }
-
-
-class Peer:
-    """A peer engine in its own virtualenv (bench/peer_protocol.py), started once; runs the
-    workloads of its file when asked."""
-
-    def __init__(self, python: str, script: str, args: list[str]):
-        from peer_protocol import RESULT_PREFIX
-
-        self.prefix = RESULT_PREFIX
-        self.proc = subprocess.Popen(
-            [python, str(Path(__file__).parent / script), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.info = self.result()  # waits for start-up
-
-    def result(self) -> dict:
-        for line in self.proc.stdout:  # engines log on stdout too
-            if line.startswith(self.prefix):
-                return json.loads(line[len(self.prefix) :])
-        raise RuntimeError(f"{self.proc.args[1]} exited with {self.proc.wait()}")
-
-    def run(self, workload_name: str) -> dict:
-        self.proc.stdin.write(workload_name + "\n")
-        self.proc.stdin.flush()
-        return self.result()
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait()
 
 
 def start_peers(stack: ExitStack, args, model_path: Path, workloads: dict) -> dict:

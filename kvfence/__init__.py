@@ -5,7 +5,11 @@ import importlib
 from kvfence import openmp as openmp  # first: it must run before anything loads torch
 
 # Imported on first use, so that the audit (kvfence.audit) imports without the engine or torch
-_LAZY = {"LLM": "kvfence.llm", "SamplingParams": "kvfence.engine.sampling_params"}
+_LAZY = {
+    "LLM": "kvfence.llm",
+    "SamplingParams": "kvfence.engine.sampling_params",
+    "StructuredOutputs": "kvfence.engine.sampling_params",
+}
 __all__ = list(_LAZY)
 
 

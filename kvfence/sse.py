@@ -12,8 +12,17 @@ DATA = "data: "
 DONE = f"{DATA}[DONE]\n\n"
 
 
+# A comment event a decode worker ends its stream with: the tokens it generated, which the
+# router refunds the tenant's charge from. Clients pass comments over.
+GENERATED = ": generated-tokens "
+
+
 def event(obj) -> str:
     return f"{DATA}{json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def generated(tokens: int) -> str:
+    return f"{GENERATED}{tokens}\n\n"
 
 
 async def events(response: httpx.Response) -> AsyncIterator:

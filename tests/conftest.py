@@ -7,7 +7,13 @@ import kvfence  # before torch: libgomp must load with its wait set (kvfence/ope
 # isort: split
 import torch
 
-from helpers import save_tiny_gguf, save_tiny_model, start_tenant_server, stop_server
+from helpers import (
+    TENANT_KEYS,
+    save_tiny_gguf,
+    save_tiny_model,
+    start_tenant_server,
+    stop_server,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
@@ -107,3 +113,22 @@ def server(tmp_path_factory):
     proc, base = start_tenant_server(tmp, "--num-kv-pages", "640", "--max-pending", "72")
     yield base
     stop_server(proc)
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    """The `openai` client of `server`, with the first tenant's key."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=server + "/v1", api_key=list(TENANT_KEYS)[0], max_retries=0, timeout=120
+    )
+
+
+@pytest.fixture
+def aclient(server):  # one a test: an async client belongs to the event loop it first ran in
+    import openai
+
+    return openai.AsyncOpenAI(
+        base_url=server + "/v1", api_key=list(TENANT_KEYS)[0], max_retries=0, timeout=300
+    )

@@ -1,5 +1,6 @@
 """Disaggregated prefill/decode with real worker processes, NIXL transfers and the router."""
 
+import json
 import secrets
 import signal
 import threading
@@ -20,7 +21,7 @@ from helpers import (
     wait_for_idle_pool,
     wait_healthy,
 )
-from kvfence import SamplingParams
+from kvfence import SamplingParams, StructuredOutputs
 from kvfence.disagg.transfer import KVTransfer, Manifest, TransferError, verify
 from kvfence.kv.pool import KVPool
 from kvfence.model.config import ModelConfig
@@ -42,9 +43,10 @@ def start_cluster(
     prefills: list[list[str]],
     decodes: list[list[str]],
     env: dict | None = None,
+    common: tuple[str, ...] = (),
 ):
     """Workers (with `env` added to their environment) and a router sharing the internal
-    token in tmp_path / "internal-token"."""
+    token in tmp_path / "internal-token"; `common` flags go to every worker and the router."""
     token = tmp_path / "internal-token"
     token.write_text(secrets.token_urlsafe(32))
     auth = ["--internal-token-file", str(token)]
@@ -53,7 +55,7 @@ def start_cluster(
         for role, configs in (("prefill", prefills), ("decode", decodes)):
             for extra in configs:  # start together, then wait: start-up is mostly imports
                 proc, url = spawn_server(
-                    tmp_path, "serve", "--role", role, *WORKER, *auth, *extra, env=env
+                    tmp_path, "serve", "--role", role, *WORKER, *auth, *common, *extra, env=env
                 )
                 procs.append(proc)
                 urls[role].append(url)
@@ -62,7 +64,7 @@ def start_cluster(
         router_args = [a for u in urls["prefill"] for a in ("--prefill", u)] + [
             a for u in urls["decode"] for a in ("--decode", u)
         ]
-        proc, router = start_server(tmp_path, "router", *router_args, *auth)
+        proc, router = start_server(tmp_path, "router", *router_args, *auth, *common)
         procs.append(proc)
     except Exception:
         for p in procs:
@@ -118,6 +120,46 @@ def test_pd_greedy_output_equals_unified(cluster, real_llm):
         "".join(c.choices[0].delta.content or "" for c in stream)
         == "The capital of France is Paris."
     )
+    idle(urls)
+
+
+def test_structured_outputs_and_tool_calls_through_the_router(cluster, real_llm):
+    """The decode worker applies the constraint: the same greedy answer as unified."""
+    router, urls = cluster
+    client = openai.OpenAI(base_url=router + "/v1", api_key="none", max_retries=0)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
+    expected = real_llm.chat(
+        messages,
+        SamplingParams(
+            temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(json=schema)
+        ),
+    )
+    assert r.choices[0].message.content == expected[0].outputs[0].text
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": schema}}
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        tools=[tool],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=60,
+    )
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "lookup" and set(json.loads(call.function.arguments)) == {"city"}
+    assert r.choices[0].finish_reason == "tool_calls"
     idle(urls)
 
 
@@ -438,6 +480,77 @@ def test_a_busy_decode_worker_frees_the_prefills_parked_kv_at_once(tmp_path):
             r = complete(router, "The capital of France is")
             assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_requests"
             wait_for_idle_pool(urls["prefill"][0], timeout=10)
+    finally:
+        for p in procs:
+            stop_server(p)
+
+
+def test_tenant_limits_hold_once_across_workers(tmp_path):
+    """Two decode workers behind the router: a tenant's token and concurrency limits are its
+    own, charged once at the router, not once per worker. A streamed request that stops early
+    gives back what it did not generate (the decode worker's count, which the client never
+    sees); another tenant is served all along."""
+    keys = tmp_path / "keys.json"
+    keys.write_text(
+        json.dumps(
+            {
+                "sk-rate": {"tenant": "rate", "max_tokens_per_minute": 400},
+                "sk-one": {"tenant": "one", "max_concurrent_requests": 1},
+                "sk-other": "other",
+            }
+        )
+    )
+    procs, router, urls = start_cluster(tmp_path, [[]], [[], []], common=("--api-keys", str(keys)))
+    try:
+
+        def post(key, stream=False, **body):
+            body = {"model": MODEL, "prompt": "Once upon a time", "temperature": 0, **body}
+            return httpx.post(
+                router + "/v1/completions",
+                json=body | {"stream": stream},
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=120,
+            )
+
+        # 5 prompt tokens + 300: within 400 once, but not twice, whichever worker serves it
+        first = post("sk-rate", max_tokens=300, ignore_eos=True)
+        assert first.status_code == 200
+        assert first.json()["usage"]["completion_tokens"] == 300
+        second = post("sk-rate", max_tokens=300, ignore_eos=True)
+        assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+        assert "tokens per minute" in second.json()["error"]["message"]
+        assert post("sk-other", max_tokens=300, ignore_eos=True).status_code == 200
+        # 305 + 8 + 2: a small request still fits, streamed, stopped at its first space
+        streamed = post("sk-rate", stream=True, max_tokens=80, stop=[" "])
+        assert streamed.status_code == 200
+        assert "generated-tokens" not in streamed.text and streamed.text.endswith("[DONE]\n\n")
+        assert post("sk-rate", max_tokens=60).status_code == 200  # only if the stream refunded
+
+        # one request in flight at a time for "one": a second waits for the first to end
+        with httpx.stream(
+            "POST",
+            router + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "x",
+                "max_tokens": 200,
+                "ignore_eos": True,
+                "stream": True,
+            },
+            headers={"Authorization": "Bearer sk-one"},
+            timeout=120,
+        ) as running:
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            next(lines)
+            busy = post("sk-one", max_tokens=4)
+            assert busy.status_code == 429, busy.text
+            assert "in flight" in busy.json()["error"]["message"]
+            assert post("sk-other", max_tokens=4).status_code == 200
+            for _ in lines:
+                pass
+        assert post("sk-one", max_tokens=4).status_code == 200
+        idle(urls)
     finally:
         for p in procs:
             stop_server(p)

@@ -193,6 +193,6 @@ def add_routes(app: FastAPI, transfer_timeout: float) -> None:
             if error is not None:
                 handle.close()
                 raise transfer_failed(error)
-        return await respond(s, p, handle, request)
+        return await respond(s, p, handle, request, tell_generated=True)
 
     add_completion_routes(app, "/internal/decode", decode)

@@ -43,10 +43,12 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
         transfer: KVTransfer = request.app.state.transfer
         p = await prepare(s, request, chat)
         prompt = single_prompt(p)
+        with api_errors():  # what the router charges the tenant: validated here
+            max_tokens = await s.async_engine.call(
+                lambda e: e.validate(prompt, p.params, kv_tokens=len(prompt))
+            )
         if len(prompt) == 1:  # nothing to prefill: the decode worker computes the only token
-            with api_errors():
-                await s.async_engine.call(lambda e: e.validate(prompt, p.params, kv_tokens=1))
-            return {"transfer_id": "", "prompt_tokens": 1, "kv_tokens": 0}
+            return {"transfer_id": "", "prompt_tokens": 1, "kv_tokens": 0, "max_tokens": max_tokens}
         handle = s.start_stream()
         rid = handle.ids[0]
         try:
@@ -82,6 +84,7 @@ def add_routes(app: FastAPI, park_timeout: float = PARK_TIMEOUT_S) -> None:
             "transfer_id": rid,
             "prompt_tokens": len(prompt),
             "kv_tokens": manifest.token_count,
+            "max_tokens": max_tokens,
         }
 
     add_completion_routes(app, "/internal/prefill", prefill)

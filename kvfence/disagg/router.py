@@ -2,6 +2,9 @@
 
 It works sequentially: the prefill worker first, which admits the request and computes
 its KV; then, only if that succeeded, a decode worker, which pulls the KV and generates.
+With --api-keys the router holds the tenants' limits, so that a tenant is charged once
+however many workers serve it: a request in flight before the prefill, then the prompt and
+max_tokens the prefill worker admitted, refunded what the decode worker did not generate.
 A request the prefill side refuses ends with the prefill's own error. Workers are picked
 round robin; each worker authenticates the client's key itself, and the router proves it is
 the cluster with the internal token. Of a client's headers only the key and content type go
@@ -9,6 +12,7 @@ on, so no client can set the internal ones.
 """
 
 import itertools
+import json
 import logging
 from dataclasses import MISSING, dataclass
 
@@ -22,8 +26,15 @@ from kvfence.disagg import read_internal_token, worker_client
 from kvfence.disagg.decode import PREFILL_URL_HEADER, TRANSFER_ID_HEADER
 from kvfence.options import option
 from kvfence.server.auth import ApiKeys
-from kvfence.server.errors import APIError, bad_gateway, error_response, invalid_api_key
+from kvfence.server.errors import (
+    APIError,
+    api_error,
+    bad_gateway,
+    error_response,
+    invalid_api_key,
+)
 from kvfence.server.listener import Listener, read_body, serve
+from kvfence.server.quotas import Charge, OverQuota, Quotas
 
 log = logging.getLogger("kvfence.router")
 FORWARDED_HEADERS = ("authorization", "content-type")
@@ -42,9 +53,32 @@ class RouterOptions(Listener):
     api_keys: str | None = option(
         None,
         "the workers' --api-keys file: a request without one of its keys is refused before "
-        "its body is read (the workers check the key again)",
+        "its body is read (the workers check the key again), and the router holds the "
+        "tenants' limits",
         metavar="FILE",
     )
+
+
+@dataclass
+class Bill:
+    """What a routed request is charged to its tenant: one sequence and a first token before
+    its prefill, then its prompt and max_tokens once the prefill worker has admitted them;
+    at the end, what it did not generate comes back (a request refused costs nothing)."""
+
+    quotas: Quotas
+    charge: Charge | None = None
+    kept: int = 0  # tokens that stay charged whatever happens next: the prompt computed
+    settled: bool = False
+
+    def add(self, prompt_tokens: int, max_tokens: int) -> None:
+        if self.charge is not None:
+            self.quotas.extend(self.charge, prompt_tokens + max_tokens - 1)
+            self.kept = prompt_tokens
+
+    def settle(self, generated: int = 0) -> None:
+        if self.charge is not None and not self.settled:
+            self.settled = True
+            self.quotas.refund(self.charge, self.charge.tokens[1] - self.kept - generated)
 
 
 def run_router(options: RouterOptions) -> int:
@@ -84,6 +118,7 @@ def create_router(
         return urls[start:] + urls[:start]
 
     client = worker_client(internal_token, timeout)
+    quotas = Quotas(keys)
     registry = CollectorRegistry()
     routed = Counter(
         "kvfence_router_requests", "Requests by outcome", ["outcome"], registry=registry
@@ -116,13 +151,27 @@ def create_router(
         return Response(r.content, status_code=r.status_code, media_type="application/json")
 
     async def route(request: Request, path: str):
+        bill = Bill(quotas)
         try:
-            if keys.enabled and keys.tenant_for(request.headers.get("authorization")) is None:
+            tenant = keys.tenant_for(request.headers.get("authorization"))
+            if keys.enabled and tenant is None:
                 raise invalid_api_key()
             body = await read_body(request, listener)
-        except APIError as e:
+            if keys.enabled:
+                bill.charge = quotas.charge(tenant, 1, 1)
+        except (APIError, OverQuota) as e:
             routed.labels("refused_at_router").inc()
-            return error_response(e)
+            return error_response(e if isinstance(e, APIError) else api_error(e))
+        try:
+            response = await forward(request, path, body, bill)
+        except BaseException:
+            bill.settle()
+            raise
+        if not isinstance(response, StreamingResponse):
+            bill.settle(_generated(response))
+        return response
+
+    async def forward(request: Request, path: str, body: bytes, bill: Bill):
         headers = _forward(request)
         # A worker that refuses the connection never saw the request: try the next one.
         for prefill in in_turn(prefill_urls):
@@ -150,7 +199,17 @@ def create_router(
                 media_type="application/json",
                 headers={k: v for k, v in r.headers.items() if k.lower() == "retry-after"},
             )
-        transfer_id = r.json()["transfer_id"]
+        admitted = r.json()
+        transfer_id = admitted["transfer_id"]
+        try:
+            bill.add(admitted["prompt_tokens"], admitted["max_tokens"])
+        except OverQuota as e:
+            routed.labels("refused_at_router").inc()
+            if transfer_id:
+                await _quietly(
+                    client.post(f"{prefill}/internal/release/{transfer_id}", headers=headers)
+                )
+            return error_response(api_error(e))
         upstream = None
         for decode in in_turn(decode_urls):
             forward = client.build_request(
@@ -196,7 +255,7 @@ def create_router(
                 await upstream.aclose()
             return Response(content, status_code=upstream.status_code, media_type=media)
         return StreamingResponse(
-            _relay(upstream, decode), status_code=upstream.status_code, media_type=media
+            _relay(upstream, decode, bill), status_code=upstream.status_code, media_type=media
         )
 
     @app.post("/v1/completions")
@@ -225,11 +284,35 @@ async def _quietly(coro) -> None:
         pass
 
 
-async def _relay(upstream: httpx.Response, decode: str):
-    """Streams the decode worker's events; if it dies mid-stream the client gets an error event."""
+def _generated(response: Response) -> int:
+    """The tokens a whole (not streamed) answer generated, from its usage."""
+    if response.status_code != 200:
+        return 0
+    try:
+        return int(json.loads(response.body)["usage"]["completion_tokens"])
+    except (ValueError, KeyError, TypeError):
+        return 0
+
+
+async def _relay(upstream: httpx.Response, decode: str, bill: Bill):
+    """Streams the decode worker's events, whole, to the client, but for the one that says how
+    many tokens were generated, which settles the bill; if the worker dies mid-stream the
+    client gets an error event."""
+    generated, pending = 0, b""
+    marker = sse.GENERATED.encode()
     try:
         async for chunk in upstream.aiter_raw():
-            yield chunk
+            *events, pending = (pending + chunk).split(b"\n\n")
+            out = b""
+            for event in events:
+                if event.startswith(marker):
+                    generated = int(event[len(marker) :])
+                else:
+                    out += event + b"\n\n"
+            if out:
+                yield out
+        if pending:
+            yield pending
     except httpx.HTTPError as e:
         error = bad_gateway(
             f"decode worker {decode} failed mid-stream: {type(e).__name__}",
@@ -237,4 +320,5 @@ async def _relay(upstream: httpx.Response, decode: str):
         )
         yield (sse.event(error.body()) + sse.DONE).encode()
     finally:
+        bill.settle(generated)
         await upstream.aclose()

@@ -5,14 +5,23 @@ import torch
 
 from kvfence.engine.request import Request
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
+from kvfence.engine.structured import Grammars
 from kvfence.kv.allocator import PageAllocator
 from kvfence.model.tokenizer import IncrementalDetokenizer
 
 
 class Admission:
-    def __init__(self, allocator: PageAllocator, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        grammars: Grammars | None = None,
+    ):
         self.allocator = allocator  # for the pool's size and page arithmetic
         self.tokenizer = tokenizer  # each sequence's detokenizer
+        self.grammars = grammars  # compiles structured outputs the caller did not compile
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.rejected: dict[str, int] = {}  # refusals by reason, for the metrics
@@ -21,7 +30,7 @@ class Admission:
     def of(cls, engine) -> "Admission":
         """The admission of an engine: what it reads of it, taken once."""
         vocab = engine.model_config.vocab_size
-        return cls(engine.allocator, engine.tokenizer, vocab, engine.max_model_len)
+        return cls(engine.allocator, engine.tokenizer, vocab, engine.max_model_len, engine.grammars)
 
     def check(
         self,
@@ -80,6 +89,7 @@ class Admission:
     ) -> list[Request]:
         """The n sequences of an admitted request, ready to be queued."""
         max_tokens = self.check(prompt_ids, params)
+        self.compile(params, tenant)
         return [
             self.sequence(prompt_ids, params, request_id, tenant, max_tokens, i)
             for i in range(params.n)
@@ -115,9 +125,19 @@ class Admission:
     ) -> Request:
         """A request whose prompt KV arrives from a prefill worker: never looked up in this
         worker's prefix cache."""
-        req = self.sequence(prompt_ids, params, request_id, tenant, self.check(prompt_ids, params))
+        max_tokens = self.check(prompt_ids, params)
+        self.compile(params, tenant)
+        req = self.sequence(prompt_ids, params, request_id, tenant, max_tokens)
         req.prefix_checked = True
         return req
+
+    def compile(self, params: SamplingParams, tenant: str) -> None:
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise InvalidRequest(
+                    "this engine serves no structured outputs", "structured_outputs"
+                )
+            self.grammars.attach(params, tenant)
 
     def sequence(
         self,
@@ -139,6 +159,8 @@ class Admission:
         )
         if params.seed is not None:  # each of n sequences draws its own stream
             req.generator = torch.Generator().manual_seed(params.seed + index)
+        if params.grammar is not None:
+            req.matcher = params.grammar.start()
         req.detokenizer = IncrementalDetokenizer(
             self.tokenizer, prompt_ids, params.skip_special_tokens
         )

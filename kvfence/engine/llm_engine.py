@@ -26,6 +26,7 @@ from kvfence.engine.request_log import RequestLog, audit_record
 from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler, Share
+from kvfence.engine.structured import Grammars
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
@@ -96,6 +97,7 @@ class LLMEngine:
         seed = secrets.randbits(64) if config.seed is None else config.seed
         self.generator = torch.Generator().manual_seed(seed)
         self.requests: dict[str, list[Request]] = {}
+        self.grammars = Grammars(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.admission = parts.admission.of(self)
         self.remote = parts.remote_kv(self.allocator, self.prefix_cache, self._end_parked)
         self.stats = dict.fromkeys(

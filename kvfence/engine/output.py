@@ -50,11 +50,15 @@ def append_token(
     if logprob is not None:
         req.logprobs.append(logprob)
     req.text += req.detokenizer.add(token)
+    if req.matcher is not None:
+        req.matcher.accept(token)
     p = req.params
     if token in p.stop_token_ids or (token in eos_token_ids and not p.ignore_eos):
         req.stop_reason = token if token in p.stop_token_ids else None
         return RequestState.FINISHED_STOP
     if hit_stop_string(req):
+        return RequestState.FINISHED_STOP
+    if req.matcher is not None and req.matcher.done:  # the grammar allows nothing more
         return RequestState.FINISHED_STOP
     if len(req.output_token_ids) >= req.max_tokens:
         return RequestState.FINISHED_LENGTH

@@ -74,6 +74,7 @@ class Request:
     num_preemptions: int = 0
     num_prompt_tokens_computed: int = 0
     detokenizer: object | None = None
+    matcher: object | None = None  # its place in a structured output's grammar, if it has one
     text: str = ""
     sent_text_len: int = 0
     sent_token_len: int = 0

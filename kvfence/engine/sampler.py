@@ -5,6 +5,7 @@ import torch
 
 from kvfence.engine.request import Request
 from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.structured import mask_logits
 from kvfence.model.kernels import fused_ops
 
 
@@ -153,7 +154,11 @@ def sample_rows(
 def sample(
     logits: torch.Tensor, requests: list[Request], generator: torch.Generator
 ) -> list[tuple[int, dict | None]]:
-    """Returns (token id, logprobs entry or None) per request."""
+    """Returns (token id, logprobs entry or None) per request. A structured output's row is
+    masked to what its grammar allows first: its own row only."""
+    constrained = [i for i, req in enumerate(requests) if req.matcher is not None]
+    if constrained:
+        mask_logits(logits, constrained, [requests[i].matcher for i in constrained])
     adjusted = [adjusts_logits(req) for req in requests]
     plain = [req.params.greedy and not adj for req, adj in zip(requests, adjusted)]
     # One argmax over the whole batch instead of one per row: most requests are greedy.

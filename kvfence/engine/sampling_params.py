@@ -1,5 +1,6 @@
 """Per-request sampling parameters and their validation (part of admission)."""
 
+import json
 from dataclasses import dataclass, field
 
 from kvfence.options import option
@@ -9,6 +10,7 @@ MAX_STOP_STRING_CHARS = 256
 MAX_LOGPROBS = 20
 MAX_N = 16
 MAX_LOGIT_BIAS = 300  # entries, OpenAI's limit
+MAX_CHOICES = 1000  # strings of a structured output's choice
 # Temperatures under it are greedy, as in vLLM: dividing logits by them overflows.
 GREEDY_BELOW = 1e-5
 FLOAT32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
@@ -29,6 +31,37 @@ class InvalidRequest(ValueError):
         self.message = message
         self.param = param
         self.code = code
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What the answer must be: exactly one of json (a JSON schema), json_object (any JSON
+    object), regex, choice (one of these strings) or grammar (EBNF as llama.cpp writes it, or
+    Lark). `param` is the request field that errors name."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    param: str = field(default="structured_outputs", compare=False)
+
+    def kind(self) -> str:
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise InvalidRequest(
+                f"{self.param} takes exactly one of json, json_object, regex, choice or "
+                f"grammar; got {', '.join(given) or 'none'}",
+                self.param,
+            )
+        return given[0]
+
+    def text(self) -> str:
+        """The constraint as text: a schema or choice list as compact JSON (in its own key
+        order, which is the order the answer's properties take)."""
+        value = {"json_object": True}.get(self.kind(), getattr(self, self.kind()))
+        return value if isinstance(value, str) else json.dumps(value, separators=(",", ":"))
 
 
 @dataclass
@@ -52,6 +85,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
+    # the compiled constraint (kvfence.engine.structured.Grammar), attached at admission
+    grammar: object | None = field(default=None, init=False, repr=False, compare=False)
     # logit_bias as (token ids, values) tensors, built once by the sampler instead of every step
     logit_bias_tensors: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -66,6 +102,8 @@ class SamplingParams:
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.structured_outputs is not None:
+            self.structured_outputs.kind()
         check(
             isinstance(self.n, int) and 1 <= self.n <= MAX_N,
             "n",

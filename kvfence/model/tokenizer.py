@@ -52,10 +52,14 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str, templated: bool = Fals
     return tokenizer.encode(text, add_special_tokens=not templated)
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict]) -> str:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None
+) -> str:
     if not tokenizer.chat_template:
         raise ValueError("this model has no chat template; use the completions API")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, tokenize=False, add_generation_prompt=True
+    )
 
 
 class IncrementalDetokenizer:

@@ -5,6 +5,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -15,7 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvfence import sse
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.output import RequestOutput
-from kvfence.engine.sampling_params import SamplingParams
+from kvfence.engine.sampling_params import SamplingParams, StructuredOutputs
 from kvfence.engine.scheduler import Share
 from kvfence.model.tokenizer import apply_chat_template, encode
 from kvfence.server.async_engine import (
@@ -47,6 +48,7 @@ from kvfence.server.protocol import (
 )
 from kvfence.server.quotas import Quotas
 from kvfence.server.responses import Responses
+from kvfence.server.tools import ToolFormat, check_tools, detect_format
 
 log = logging.getLogger("kvfence.server")
 MAX_PROMPTS_PER_REQUEST = 64
@@ -124,6 +126,7 @@ class Server:
         listener: Listener | None = None,
         stream_stall_timeout: float = STREAM_STALL_TIMEOUT_S,
         report_cached_tokens: bool = True,
+        grammar_timeout: float = 5.0,
     ):
         self.engine = engine
         self.async_engine = AsyncEngine(engine, max_pending, stream_stall_timeout)
@@ -134,6 +137,16 @@ class Server:
         self.listener = listener or Listener()
         self.metrics = Metrics(lambda: engine)
         self.tokenizer = engine.tokenizer
+        self.tool_format: ToolFormat = detect_format(
+            self.tokenizer.chat_template, self.tokenizer, engine.eos_token_ids
+        )
+        # Grammars compile on threads of their own: never on the engine's, nor on the pool
+        # that parses bodies and moves KV; one at a time per tenant, so that no tenant holds
+        # them all.
+        self.grammars, self.grammar_timeout = engine.grammars, grammar_timeout
+        self.grammar_threads = ThreadPoolExecutor(4, thread_name_prefix="grammar")
+        self.grammar_threads.submit(self.grammars.tokenizer)  # built once, before any budget runs
+        self.compiling: dict[str, asyncio.Lock] = {}
         self.quotas = Quotas(api_keys)
         engine.set_tenant_shares(
             {
@@ -195,6 +208,35 @@ class Server:
             else list(p)
             for p in prompts
         ]
+
+    async def compile(self, params: SamplingParams, tenant: str) -> None:
+        """Compiles the request's structured output, if any, within --grammar-timeout."""
+        spec = params.structured_outputs
+        if spec is None:
+            return
+        turn = self.compiling.setdefault(tenant, asyncio.Lock())
+        await turn.acquire()
+        loop = asyncio.get_running_loop()
+        compiling = loop.run_in_executor(self.grammar_threads, self.grammars.compile, spec, tenant)
+
+        def done(future) -> None:  # even after its client had its answer: the turn ends
+            turn.release()
+            future.exception()  # read here, so that a late failure is not logged as lost
+
+        compiling.add_done_callback(done)
+        try:
+            with api_errors():
+                params.grammar = await asyncio.wait_for(
+                    asyncio.shield(compiling), self.grammar_timeout
+                )
+        except TimeoutError:
+            raise APIError(
+                400,
+                f"{spec.param} took more than {self.grammar_timeout:g} s to compile; "
+                "make it smaller or simpler",
+                param=spec.param,
+                code="grammar_too_complex",
+            ) from None
 
     async def start(self, prompts, params, tenant) -> RequestHandle:
         """Submits a request to the engine: admission errors become 400; once admitted, it is
@@ -263,31 +305,53 @@ class Prepared:
     prompts: list[list[int]]
     params: SamplingParams
     tenant: str
+    tools: ToolFormat | None = None  # the format calls are parsed in, when tools may be called
 
 
 async def prepare(s: Server, request: Request, chat: bool) -> Prepared:
     tenant, body = await s.parse(request, ChatCompletionRequest if chat else CompletionRequest)
     with api_errors():
         body.check_supported()
+        params = body.sampling_params()
+        mode = body.tool_mode() if chat else "none"
+        tools = s.tool_format if mode != "none" else None
+        if tools:  # work that grows with the tools, off the event loop
+            params.structured_outputs = await asyncio.to_thread(tool_calls, tools, body, mode)
+            params.skip_special_tokens = False  # a format's start tag may be a special token
+        if chat:
+            messages, template_tools = await asyncio.to_thread(
+                s.tool_format.render, body.conversation(), body.tools if tools else None
+            )
     if chat:
-        text = await render_chat(s.tokenizer, body.conversation())
+        text = await render_chat(s.tokenizer, messages, template_tools)
         prompts = await s.tokenize_prompts(text, templated=True)
     else:
         prompts = await s.tokenize_prompts(body.prompt)
-    return Prepared(body, chat, prompts, body.sampling_params(), tenant)
+    await s.compile(params, tenant)
+    return Prepared(body, chat, prompts, params, tenant, tools)
 
 
-async def render_chat(tokenizer, messages: list[dict]) -> str:
+def tool_calls(fmt: ToolFormat, body: ChatCompletionRequest, mode) -> StructuredOutputs:
+    """The constraint of an answer that may (or must) call the request's tools."""
+    check_tools(body.tools, mode, body.parallel_tool_calls)
+    grammar = fmt.grammar(body.tools, mode, body.parallel_tool_calls is not False)
+    return StructuredOutputs(grammar=grammar, param="tools")
+
+
+async def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
     """The chat template over `messages`, off the event loop; a conversation the template
     refuses (templates raise their own errors) is a 400."""
     try:
-        return await asyncio.to_thread(apply_chat_template, tokenizer, messages)
+        return await asyncio.to_thread(apply_chat_template, tokenizer, messages, tools)
     except Exception as e:
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
 
 
-async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Request):
-    """The OpenAI response for a running request: one JSON object, or server-sent events."""
+async def respond(
+    s: Server, p: Prepared, handle: RequestHandle, request: Request, tell_generated=False
+):
+    """The OpenAI response for a running request: one JSON object, or server-sent events
+    (ended, with `tell_generated`, by a comment with the number of tokens generated)."""
     want_logprobs = bool(p.body.logprobs) if p.chat else p.body.logprobs is not None
     build = Responses(
         s.tokenizer,
@@ -296,11 +360,12 @@ async def respond(s: Server, p: Prepared, handle: RequestHandle, request: Reques
         bool(p.body.stream),
         want_logprobs,
         s.report_cached_tokens,
+        p.tools,
     )
     if p.body.stream:
         include_usage = bool(p.body.stream_options and p.body.stream_options.include_usage)
         return StreamingResponse(
-            _stream(s, handle, request, build, p.prompts, include_usage),
+            _stream(s, handle, request, build, p.prompts, include_usage, tell_generated),
             media_type="text/event-stream",
         )
     finals: dict[int, RequestOutput] = {}
@@ -405,9 +470,7 @@ def create_app(
         text = (
             body.prompt
             if body.prompt is not None
-            else await render_chat(
-                s.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages]
-            )
+            else await render_chat(s.tokenizer, [m.as_dict() for m in body.messages])
         )
         tokens = await asyncio.to_thread(encode, s.tokenizer, text, body.messages is not None)
         return {
@@ -450,7 +513,9 @@ def add_completion_routes(app: FastAPI, prefix: str, handler) -> None:
         return await handler(request, chat=True)
 
 
-async def _stream(s: Server, handle, request, build: Responses, prompts, include_usage):
+async def _stream(
+    s: Server, handle, request, build: Responses, prompts, include_usage, tell_generated
+):
     """Server-sent events: one chunk per output, an error event if a request fails or its
     client stops reading, usage, [DONE]."""
     completion_tokens, cached = 0, {}
@@ -471,4 +536,6 @@ async def _stream(s: Server, handle, request, build: Responses, prompts, include
         yield sse.event(api_error(e).body())
     except APIError as e:  # the engine failed the request
         yield sse.event(e.body())
+    if tell_generated:
+        yield sse.generated(completion_tokens)
     yield sse.DONE

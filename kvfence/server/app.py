@@ -62,6 +62,7 @@ def run_server(
             options.max_pending,
             options,
             stream_stall_timeout=options.stream_stall_timeout,
+            grammar_timeout=options.grammar_timeout,
             report_cached_tokens=keys.enabled or not options.public,
         )
         if options.metrics_port is not None:

@@ -35,6 +35,12 @@ class ServerConfig(Listener):
         "aborted and its pages freed",
         metavar="SECONDS",
     )
+    grammar_timeout: float = option(
+        5.0,
+        "seconds a structured output's schema, grammar or tools may take to compile before "
+        "the request is refused (400)",
+        metavar="SECONDS",
+    )
     metrics_host: str = option(
         "127.0.0.1", "address of the --metrics-port listener", metavar="HOST"
     )
@@ -65,6 +71,8 @@ class ServerConfig(Listener):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_choices(self)
+        if self.grammar_timeout <= 0:
+            raise ConfigError(f"--grammar-timeout must be over 0, not {self.grammar_timeout}")
         if self.stream_stall_timeout <= 0:
             raise ConfigError(
                 f"--stream-stall-timeout must be over 0, not {self.stream_stall_timeout}"

@@ -5,7 +5,7 @@ from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
+from kvfence.engine.sampling_params import InvalidRequest, SamplingParams, StructuredOutputs
 
 
 class _Body(BaseModel):
@@ -32,6 +32,26 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class StructuredOutputsBody(_Body):
+    """vLLM's and SGLang's form of a constraint: exactly one field."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def spec(self) -> StructuredOutputs:
+        return StructuredOutputs(
+            self.json_,
+            bool(self.json_object),
+            self.regex,
+            self.choice,
+            self.grammar,
+            param="structured_outputs",
+        )
+
+
 class _SamplingFields(_Body):
     model: str
     n: int = 1
@@ -51,6 +71,7 @@ class _SamplingFields(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    structured_outputs: StructuredOutputsBody | None = None
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -70,7 +91,11 @@ class _SamplingFields(_Body):
             min_p=self.min_p or 0.0,
             logit_bias=dict(self.logit_bias or {}),
             logprobs=logprobs,
+            structured_outputs=self.constraint(),
         )
+
+    def constraint(self) -> StructuredOutputs | None:
+        return self.structured_outputs.spec() if self.structured_outputs else None
 
     def check_supported(self) -> None:
         """Fields this server knows but does not implement fail loudly instead of being ignored."""
@@ -108,15 +133,68 @@ class ContentPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[ContentPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None  # an assistant's calls, sent back
+    tool_call_id: str | None = None  # a tool's answer: to which call
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        return self
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def as_dict(self) -> dict:
+        out = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class JsonSchemaFormat(_Body):
+    name: str
+    schema_: dict | bool = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def spec(self) -> StructuredOutputs | None:
+        if self.type == "json_object":
+            return StructuredOutputs(json_object=True, param="response_format")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise InvalidRequest(
+                    "response_format json_schema needs its json_schema field",
+                    "response_format.json_schema",
+                )
+            return StructuredOutputs(self.json_schema.schema_, param="response_format")
+        return None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -127,22 +205,36 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None
-    response_format: dict | None = None
+    response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if (self.tools or self.functions) and self.tool_choice != "none":
-            raise InvalidRequest(
-                'tool calling is not supported; send no tools, or tool_choice: "none"',
-                "tools" if self.tools else "functions",
+        if self.functions:
+            raise InvalidRequest("functions is not supported; send tools instead", "functions")
+        given = [
+            name
+            for name, on in (
+                ("response_format", self.response_format and self.response_format.type != "text"),
+                ("structured_outputs", self.structured_outputs is not None),
+                ("tools", self.tool_mode() != "none"),
             )
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidRequest(
-                f"response_format '{kind}' is not supported; only 'text' is",
-                "response_format",
-            )
+            if on
+        ]
+        if len(given) > 1:
+            raise InvalidRequest(f"send one of {' and '.join(given)}, not both", given[1])
+
+    def tool_mode(self) -> str | dict:
+        """none, auto, required or a named function: what the answer may call."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
+    def constraint(self) -> StructuredOutputs | None:
+        if self.response_format is not None:
+            return self.response_format.spec()
+        return super().constraint()
 
     def sampling_params(self) -> SamplingParams:
         max_tokens = (
@@ -154,10 +246,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self._params(max_tokens, logprobs)
 
     def conversation(self) -> list[dict]:
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in self.messages
-        ]
+        return [m.as_dict() for m in self.messages]
 
 
 class TokenizeRequest(_Body):

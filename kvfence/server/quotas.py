@@ -53,20 +53,33 @@ class Quotas:
                     "+ max_queued_requests)",
                     1,
                 )
-            entry = [self.clock(), tokens]
+            entry = [self.clock(), 0]
+            self._take_tokens(tenant, entry, tokens)
             if limits.max_tokens_per_minute is not None:
-                window = self._expire(tenant)
-                used = sum(t for _, t in window)
-                if used + tokens > limits.max_tokens_per_minute:
-                    raise OverQuota(
-                        f"tenant '{tenant}' has used {used} of its {limits.max_tokens_per_minute} "
-                        f"tokens per minute; this request may take {tokens} (prompt + n x "
-                        "max_tokens)",
-                        self._wait_for(window, used + tokens - limits.max_tokens_per_minute),
-                    )
-                window.append(entry)
+                self._window[tenant].append(entry)
             self._sequences[tenant] += sequences
         return Charge(tenant, sequences, entry)
+
+    def extend(self, charge: Charge, tokens: int) -> None:
+        """Adds `tokens` to a charge once they are known (a disaggregated request's, after its
+        prefill worker admitted it), or raises OverQuota, the charge unchanged."""
+        if tokens < 0:
+            raise ValueError(f"a charge of {tokens} tokens")
+        with self._lock:
+            self._take_tokens(charge.tenant, charge.tokens, tokens)
+
+    def _take_tokens(self, tenant: str, entry: list, tokens: int) -> None:
+        limit = self.keys.limits(tenant).max_tokens_per_minute
+        if limit is not None:
+            window = self._expire(tenant)
+            used = sum(t for _, t in window)
+            if used + tokens > limit:
+                raise OverQuota(
+                    f"tenant '{tenant}' has used {used} of its {limit} tokens per minute; this "
+                    f"request may take {tokens} more (prompt + n x max_tokens)",
+                    self._wait_for(window, used + tokens - limit),
+                )
+        entry[1] += tokens
 
     def refund(self, charge: Charge, unused_tokens: int) -> None:
         """The request has ended: its sequences are free, and tokens it did not use return."""

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterator
 
 from kvfence.engine.output import RequestOutput
+from kvfence.server.tools import ToolDelta, ToolFormat, ToolParser
 
 
 class Responses:
@@ -20,8 +21,11 @@ class Responses:
         stream: bool,
         want_logprobs: bool,
         report_cached_tokens: bool,
+        tools: ToolFormat | None = None,
     ):
         self.tokenizer, self.chat, self.want_logprobs = tokenizer, chat, want_logprobs
+        self.tools = tools  # the format tool calls are parsed in, when tools may be called
+        self._parsers: dict[int, ToolParser] = {}  # a stream's parser per choice
         self.report_cached_tokens = report_cached_tokens
         kind = "text_completion"
         if chat:
@@ -52,9 +56,8 @@ class Responses:
             choices = [
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": o.text},
+                    **self.message(o),
                     "logprobs": self.chat_logprobs(o.logprobs) if self.want_logprobs else None,
-                    "finish_reason": o.finish_reason,
                 }
                 for i, o in done
             ]
@@ -74,6 +77,34 @@ class Responses:
         cached = sum(o.num_cached_tokens for o in finals.values())
         usage = self.usage(prompts, completion_tokens, cached)
         return {**self.head, "choices": choices, "usage": usage}
+
+    def message(self, out: RequestOutput) -> dict:
+        """A chat choice's message and finish_reason; tool calls parsed out of its text."""
+        if self.tools is None:
+            return {
+                "message": {"role": "assistant", "content": out.text},
+                "finish_reason": out.finish_reason,
+            }
+        parser = self.tools.parser()
+        parser.feed(out.text)
+        parser.finish()
+        message = {"role": "assistant", "content": parser.content or None}
+        if parser.calls:
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                }
+                for c in parser.calls
+            ]
+        return {"message": message, "finish_reason": self.finish_reason(out, parser)}
+
+    @staticmethod
+    def finish_reason(out: RequestOutput, parser: ToolParser | None) -> str:
+        if parser is not None and parser.calls and out.finish_reason == "stop":
+            return "tool_calls"
+        return out.finish_reason
 
     def chunks(self, index: int, out: RequestOutput) -> Iterator[dict]:
         """The stream chunks for one output of choice `index`."""
@@ -108,19 +139,24 @@ class Responses:
             }
         wanted = self.want_logprobs and out.delta_logprobs
         logprobs = self.chat_logprobs(out.delta_logprobs) if wanted else None
-        if out.delta_text or logprobs:
-            yield {
-                "index": index,
-                "delta": {"content": out.delta_text},
-                "logprobs": logprobs,
-                "finish_reason": None,
-            }
+        parser = None
+        if self.tools is None:
+            deltas = [{"content": out.delta_text}] if out.delta_text else []
+        else:
+            parser = self._parsers.setdefault(index, self.tools.parser())
+            pieces = parser.feed(out.delta_text) + (parser.finish() if out.finished else [])
+            deltas = [_delta(piece) for piece in pieces]
+        if logprobs and not deltas:
+            deltas = [{"content": ""}]
+        for delta in deltas:
+            yield {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+            logprobs = None  # with the output's first chunk only
         if out.finished:
             yield {
                 "index": index,
                 "delta": {},
                 "logprobs": None,
-                "finish_reason": out.finish_reason,
+                "finish_reason": self.finish_reason(out, parser),
             }
 
     def token_text(self, token_id: int) -> str:
@@ -157,3 +193,17 @@ class Responses:
                 for e in entries
             ]
         }
+
+
+def _delta(piece: ToolDelta) -> dict:
+    """A stream chunk's delta: answer text, or a piece of a tool call as OpenAI streams it
+    (index, id, type and name on the call's first piece, then its arguments in pieces)."""
+    if piece.index is None:
+        return {"content": piece.content}
+    call = {"index": piece.index}
+    if piece.id is not None:
+        call |= {"id": piece.id, "type": "function"}
+    function = {"arguments": piece.arguments}
+    if piece.name is not None:
+        function = {"name": piece.name} | function
+    return {"tool_calls": [call | {"function": function}]}
