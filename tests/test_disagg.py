@@ -489,13 +489,17 @@ def test_tenant_limits_hold_once_across_workers(tmp_path):
     """Two decode workers behind the router: a tenant's token and concurrency limits are its
     own, charged once at the router, not once per worker. A streamed request that stops early
     gives back what it did not generate (the decode worker's count, which the client never
-    sees); another tenant is served all along."""
+    sees), but one whose client leaves gives back nothing; a prompt the prefill worker
+    computed stays charged even when max_tokens is then refused. Another tenant is served
+    all along."""
     keys = tmp_path / "keys.json"
     keys.write_text(
         json.dumps(
             {
                 "sk-rate": {"tenant": "rate", "max_tokens_per_minute": 400},
                 "sk-one": {"tenant": "one", "max_concurrent_requests": 1},
+                "sk-cut": {"tenant": "cut", "max_tokens_per_minute": 500},
+                "sk-pre": {"tenant": "pre", "max_tokens_per_minute": 400},
                 "sk-other": "other",
             }
         )
@@ -525,6 +529,32 @@ def test_tenant_limits_hold_once_across_workers(tmp_path):
         assert streamed.status_code == 200
         assert "generated-tokens" not in streamed.text and streamed.text.endswith("[DONE]\n\n")
         assert post("sk-rate", max_tokens=60).status_code == 200  # only if the stream refunded
+
+        # a client that leaves its stream early keeps the whole charge: 305 of 500 stay
+        with httpx.stream(
+            "POST",
+            router + "/v1/completions",
+            json={
+                "model": MODEL,
+                "prompt": "Once upon a time",
+                "max_tokens": 300,
+                "ignore_eos": True,
+                "stream": True,
+            },
+            headers={"Authorization": "Bearer sk-cut"},
+            timeout=120,
+        ) as cut:
+            lines = cut.iter_lines()
+            for _ in range(3):
+                next(lines)
+        assert post("sk-cut", max_tokens=300).status_code == 429
+
+        # 305 of 400 used; a 150-token prompt is prefilled, then its max_tokens refused: the
+        # prompt stays charged, so not even a one-token request is prefilled after it
+        assert post("sk-pre", max_tokens=300, ignore_eos=True).status_code == 200
+        long_prompt = "the quick brown fox jumps " * 30
+        assert post("sk-pre", prompt=long_prompt, max_tokens=60).status_code == 429
+        assert post("sk-pre", max_tokens=1).status_code == 429
 
         # one request in flight at a time for "one": a second waits for the first to end
         with httpx.stream(

@@ -225,3 +225,23 @@ def test_hostile_schemas_and_grammars_are_refused_or_compile_never_crash(grammar
         assert caught.value.param == "structured_outputs"
     else:
         grammars.compile(spec, "t").start()
+
+
+def test_a_grammar_whose_masks_grow_fails_alone(real_llm):
+    """An ambiguous grammar (`s: s s | ...`) compiles and masks fast at first, then each mask
+    costs more as the answer grows (it took 260 ms by the 375th token). Its request fails
+    once its masks pass their budget; the request batched beside it is not touched."""
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    prompt = "The capital of France is"
+    alone = real_llm.generate([prompt], plain)[0].outputs[0].text
+    ambiguous = SamplingParams(
+        temperature=1.5,
+        seed=0,
+        max_tokens=400,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputs(grammar='start: s\ns: s s | "a" | "b" | "ab" | "ba"'),
+    )
+    bad, good = real_llm.generate([prompt, prompt], [ambiguous, plain])
+    assert bad.outputs[0].finish_reason == "error"
+    assert "grammar" in bad.outputs[0].error and len(bad.outputs[0].token_ids) < 400
+    assert good.outputs[0].text == alone

@@ -225,6 +225,11 @@ def test_streamed_tool_calls_arrive_as_openai_streams_them(client):
     ]
 
 
+SURROGATE_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_time", "arguments": '{"zone": "\\ud800"}'},
+}
 HOSTILE = [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
@@ -259,6 +264,16 @@ HOSTILE = [
         "tool",
     ),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    (  # arguments whose JSON spells a lone surrogate, sent back in a second round
+        {
+            "messages": CAPITAL
+            + [
+                {"role": "assistant", "content": None, "tool_calls": [SURROGATE_CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "noon"},
+            ]
+        },
+        "messages",
+    ),
     (
         {
             "tools": [WEATHER],

@@ -459,3 +459,32 @@ def test_a_tiny_model_of_each_family_calls_tools_in_its_format(
                 assert set(arguments) == {"zone"} and len(arguments["zone"]) <= 6
             else:
                 assert set(arguments) == {"city", "days"} and 1 <= arguments["days"] <= 9
+
+
+def test_a_lone_surrogate_escape_becomes_a_replacement_character():
+    """JSON lets a model spell an unpaired surrogate (\\udc00); no text holds one, so the
+    answer shows U+FFFD there instead of failing to encode."""
+    for pieces in (['{"response": "\\udc00 ok"}'], list('{"response": "\\ud800\\u0041"}')):
+        parser = detect_format(None, None).parser()
+        for piece in pieces:
+            parser.feed(piece)
+        parser.finish()
+        assert "\ufffd" in parser.content
+        parser.content.encode("utf-8")
+
+
+def test_arguments_that_spell_a_lone_surrogate_are_refused():
+    fmt = detect_format(None, None)
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "f", "arguments": '{"q": "\\ud800"}'},
+    }
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "r"},
+    ]
+    with pytest.raises(InvalidRequest) as caught:
+        fmt.render(messages, None)
+    assert caught.value.param == "messages[1].tool_calls[0].function.arguments"

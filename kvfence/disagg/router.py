@@ -71,14 +71,19 @@ class Bill:
     settled: bool = False
 
     def add(self, prompt_tokens: int, max_tokens: int) -> None:
+        """The prompt is computed: charged whatever the limit; then max_tokens, or OverQuota."""
         if self.charge is not None:
-            self.quotas.extend(self.charge, prompt_tokens + max_tokens - 1)
+            self.quotas.add(self.charge, prompt_tokens - 1)
             self.kept = prompt_tokens
+            self.quotas.extend(self.charge, max_tokens)
 
-    def settle(self, generated: int = 0) -> None:
+    def settle(self, generated: int | None = 0) -> None:
+        """Frees the sequence; refunds what was not generated, or nothing where that is not
+        known (a stream that broke off, or whose client left, before its count arrived)."""
         if self.charge is not None and not self.settled:
             self.settled = True
-            self.quotas.refund(self.charge, self.charge.tokens[1] - self.kept - generated)
+            unused = 0 if generated is None else self.charge.tokens[1] - self.kept - generated
+            self.quotas.refund(self.charge, unused)
 
 
 def run_router(options: RouterOptions) -> int:
@@ -296,9 +301,9 @@ def _generated(response: Response) -> int:
 
 async def _relay(upstream: httpx.Response, decode: str, bill: Bill):
     """Streams the decode worker's events, whole, to the client, but for the one that says how
-    many tokens were generated, which settles the bill; if the worker dies mid-stream the
-    client gets an error event."""
-    generated, pending = 0, b""
+    many tokens were generated, which settles the bill (without it, nothing is refunded); if
+    the worker dies mid-stream the client gets an error event."""
+    generated, pending = None, b""
     marker = sse.GENERATED.encode()
     try:
         async for chunk in upstream.aiter_raw():

@@ -26,7 +26,7 @@ from kvfence.engine.request_log import RequestLog, audit_record
 from kvfence.engine.sampler import sample_isolating_errors
 from kvfence.engine.sampling_params import InvalidRequest, SamplingParams
 from kvfence.engine.scheduler import Scheduler, Share
-from kvfence.engine.structured import Grammars
+from kvfence.engine.structured import GrammarError, Grammars
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.pool import KVPool
 from kvfence.kv.prefix_cache import PrefixCache
@@ -353,7 +353,11 @@ class LLMEngine:
                     exc_info=error,
                 )
                 if not req.is_terminal:
-                    error = "internal error while sampling this request"
+                    error = (
+                        str(error)  # the client's own grammar: it may know why
+                        if isinstance(error, GrammarError)
+                        else "internal error while sampling this request"
+                    )
                     self.finish(req, RequestState.FAILED, error)
             outputs.append(self._output(req))
         return outputs

@@ -6,6 +6,7 @@ engine thread, under a time budget); each sequence then steps a copy of the comp
 """
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -24,8 +25,19 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 MAX_SPEC_CHARS = 64 * 1024
 CACHE_PER_TENANT = 32  # compiled grammars kept per tenant
 # llguidance's budgets: regex work while compiling (a quarter of its default, which let one
-# counted-repetition regex take 0.75 s and 200 MB), and lexer states (1-2 kB each).
-LIMITS = dict(initial_lexer_fuel=250_000, max_lexer_states=50_000)
+# counted-repetition regex take 0.75 s and 200 MB), lexer states (1-2 kB each), and the work
+# of one step's mask (a fifth of its defaults: an ambiguous grammar's Earley items grow with
+# the answer, and at the default a mask took 44 ms of the engine thread).
+LIMITS = dict(
+    initial_lexer_fuel=250_000,
+    max_lexer_states=50_000,
+    step_max_items=10_000,
+    step_lexer_fuel=40_000,
+)
+# Time a request's masks may take on the engine thread, which every tenant shares: so much at
+# first, then so much a token on average. Past it, that request fails.
+MASK_BUDGET_S = 0.05
+MASK_BUDGET_PER_TOKEN_S = 0.002
 # Long rule or $ref chains recurse deeply in llguidance's compiler, past a thread's usual
 # 8 MiB stack (a crash of the whole process): compiling gets a thread with a larger one, which
 # only reserves address space.
@@ -140,15 +152,36 @@ class Grammar:
         return Matcher(self.matcher.deep_copy())
 
 
+class GrammarError(RuntimeError):
+    """A request's grammar cannot go on (over its budgets, or a token it refused): that request
+    fails, with this message."""
+
+
 class Matcher:
-    """One sequence's place in its grammar."""
+    """One sequence's place in its grammar, and the time its masks have taken."""
 
     def __init__(self, matcher: "llguidance.LLMatcher"):
         self.matcher = matcher
+        self.mask_s = 0.0
+        self.masks = 0
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+
+    def fill_mask(self, address: int, size: int) -> None:
+        start = time.perf_counter()
+        self.matcher.unsafe_compute_mask_ptr(address, size)
+        self.mask_s += time.perf_counter() - start
+        self.masks += 1
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar failed: {_short(self.matcher.get_error())}")
+        budget = MASK_BUDGET_S + MASK_BUDGET_PER_TOKEN_S * self.masks
+        if self.mask_s > budget:
+            raise GrammarError(
+                f"the grammar's masks took {1e3 * self.mask_s:.0f} ms over {self.masks} tokens, "
+                f"past the {1e3 * budget:.0f} ms they may take: make it less ambiguous"
+            )
 
     @property
     def done(self) -> bool:
@@ -163,7 +196,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) 
     width = logits.shape[-1]
     bitmask = np.empty((len(rows), (width + 31) // 32), dtype=np.int32)
     for i, m in enumerate(matchers):
-        m.matcher.unsafe_compute_mask_ptr(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
+        m.fill_mask(bitmask[i].ctypes.data, bitmask.shape[1] * 4)
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :width]
     forbidden = torch.from_numpy(allowed == 0).to(logits.device)
     with torch.inference_mode():  # the model's logits are inference tensors

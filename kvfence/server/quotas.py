@@ -60,6 +60,12 @@ class Quotas:
             self._sequences[tenant] += sequences
         return Charge(tenant, sequences, entry)
 
+    def add(self, charge: Charge, tokens: int) -> None:
+        """Adds tokens already spent to a charge, whatever the limit (a disaggregated
+        request's prompt, once its prefill worker has computed it)."""
+        with self._lock:
+            charge.tokens[1] += max(0, tokens)
+
     def extend(self, charge: Charge, tokens: int) -> None:
         """Adds `tokens` to a charge once they are known (a disaggregated request's, after its
         prefill worker admitted it), or raises OverQuota, the charge unchanged."""

@@ -357,7 +357,7 @@ class ToolParser:
             if buf[j] == '"':
                 self._state, j = "response_end", j + 1
             elif piece:
-                self._say(json.loads(f'"{piece.group()}"') if buf[j] == "\\" else piece.group())
+                self._say(_unescaped(piece.group()) if buf[j] == "\\" else piece.group())
                 j = piece.end()
             elif buf[j] == "\\" and len(buf) - j < 12 and not final:
                 break  # an escape still arriving
@@ -440,8 +440,21 @@ def _parsed_call(call: dict, where: str, calls: dict) -> dict:
         arguments = None
     if not isinstance(arguments, dict):
         raise InvalidRequest("arguments must be a JSON object", f"{where}.function.arguments")
+    try:  # JSON escapes may spell a lone surrogate, which no tokenizer takes
+        json.dumps(arguments, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "arguments are not valid Unicode (lone surrogate)", f"{where}.function.arguments"
+        ) from None
     calls[call.get("id")] = function["name"]
     return {**call, "function": {"name": function["name"], "arguments": arguments}}
+
+
+def _unescaped(escape: str) -> str:
+    """A JSON escape's text; a surrogate escape with no pair (valid JSON, but no character)
+    becomes U+FFFD, as a decoder does with bytes that are not UTF-8."""
+    text = json.loads(f'"{escape}"')
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 def _join_user_turns(messages: list[dict]) -> list[dict]:
