@@ -117,3 +117,41 @@ def test_no_visible_cache_is_inconclusive_never_clean(tmp_path):
     assert "no cache visible" in cross
     skipped = ET.parse(junit).getroot().findall("testcase/skipped")
     assert [s.get("message") for s in skipped] == [f"inconclusive: {cross}"]
+
+
+def test_a_request_dropped_before_any_answer_goes_again_once():
+    """A server that closes a connection as a request arrives on it (a keep-alive running out
+    at that moment) is no finding: the audit sends that request once more, and only a second
+    drop is recorded."""
+    import asyncio
+
+    from kvfence.audit.client import AuditClient, Exchange
+
+    answer = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
+        b'data: {"choices": [{"text": "hi"}]}\n\ndata: [DONE]\n\n'
+    )
+
+    async def run(drops: int) -> Exchange:
+        seen = []
+
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            seen.append(1)
+            if len(seen) > drops:
+                writer.write(answer)
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = AuditClient(f"http://127.0.0.1:{port}", [None], 1, 10)
+        async with server:
+            ex = await client.send(Exchange("t", "p", 0), "/v1/completions", {"prompt": "p"})
+        await client.http.aclose()
+        return ex
+
+    once = asyncio.run(run(drops=1))
+    assert once.status == 200 and once.text == "hi" and once.error is None
+    twice = asyncio.run(run(drops=2))
+    assert twice.status == 0 and twice.error

@@ -61,22 +61,32 @@ class AuditClient:
             "stream_options": {"include_usage": True},
         }
         async with self.semaphore:
-            start = time.monotonic()
-            try:
-                async with self.http.stream(
-                    "POST",
-                    self.base + path,
-                    json=body,
-                    headers=self.headers(ex.key_index),
-                    timeout=self.timeout,
-                ) as r:
-                    ex.status = r.status_code
-                    if r.status_code != 200:
-                        ex.error = (await r.aread()).decode(errors="replace")[:500]
-                    else:
-                        await self._read_events(r, ex, start)
-            except httpx.HTTPError as e:
-                ex.error = f"{type(e).__name__}: {e}"
+            # A connection the server closed as it was reused (its keep-alive ran out) drops
+            # the request before any answer: the request goes again once, on a new one.
+            for attempt in (1, 2):
+                start = time.monotonic()
+                try:
+                    async with self.http.stream(
+                        "POST",
+                        self.base + path,
+                        json=body,
+                        headers=self.headers(ex.key_index),
+                        timeout=self.timeout,
+                    ) as r:
+                        ex.status = r.status_code
+                        if r.status_code != 200:
+                            ex.error = (await r.aread()).decode(errors="replace")[:500]
+                        else:
+                            await self._read_events(r, ex, start)
+                    break
+                except (httpx.ReadError, httpx.RemoteProtocolError) as e:
+                    ex.error = f"{type(e).__name__}: {e}"
+                    if ex.status or attempt == 2:
+                        break
+                    ex.error = None
+                except httpx.HTTPError as e:
+                    ex.error = f"{type(e).__name__}: {e}"
+                    break
         self.exchanges.append(ex)
         if self.on_exchange:
             self.on_exchange()
