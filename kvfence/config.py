@@ -111,7 +111,9 @@ class EngineConfig:
     scheduling: Literal["fair", "fifo"] = option(
         "fair",
         "fair: prefill work goes to the tenant with the least weighted service so far "
-        "(weights from --api-keys); fifo: first come first served across tenants",
+        "(weights from --api-keys), and while several tenants are present steps stay short "
+        "and a newcomer's request gets one of its own; fifo: first come first served across "
+        "tenants",
     )
     request_log: str | None = option(
         None,

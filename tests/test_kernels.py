@@ -110,3 +110,32 @@ def test_an_install_whose_compiler_fails_goes_on_without_the_kernels(tmp_path):
     for name in KERNELS:
         assert f"kvfence.model._ext.{name}_avx512 not built" in run.stdout
     assert not list(tmp_path.rglob("*.so"))
+
+
+def test_a_kernel_lets_other_threads_run_while_it_computes():
+    """The server's event loop answers requests while a step computes: a kernel lets the GIL
+    go, so another Python thread runs in the middle of the call, not only after it."""
+    import threading
+    import time
+
+    import torch
+
+    ops = kernels.fused_ops("cpu")
+    gate_up = torch.randn(2048, 2 * 16384)
+    seen, stop = [], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            seen.append(time.perf_counter())
+            time.sleep(0.0005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.01)
+    start = time.perf_counter()
+    ops.silu_mul(gate_up)
+    end = time.perf_counter()
+    stop.set()
+    ticker.join()
+    third = (end - start) / 3
+    assert any(start + third < t < end - third for t in seen), f"the call took {end - start:.3f} s"

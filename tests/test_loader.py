@@ -35,6 +35,11 @@ from kvfence.model.quant import HALF_TYPES
         ),
         ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not implemented"),
         ({"mlp_bias": True}, "mlp_bias = True"),
+        # these loaded, then failed every step
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": float("nan")}},
+            "rope_theta = nan: a positive finite number",
+        ),
         ({"partial_rotary_factor": 0.5}, "partial_rotary_factor = 0.5"),
         (
             {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
@@ -65,7 +70,8 @@ def test_tensors_the_model_would_drop_are_refused(default_model_path, tmp_path_f
         LLM(str(gguf_path))
 
 
-U32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
+U32, F32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.STRING
+NAN, INF = float("nan"), float("inf")
 
 
 @pytest.mark.parametrize(
@@ -83,7 +89,19 @@ U32, STR = gguf.GGUFValueType.UINT32, gguf.GGUFValueType.STRING
         ({"attention.head_count": (0, U32)}, "llama.attention.head_count = 0: a positive"),
         (
             {"attention.layer_norm_rms_epsilon": ("1e-5", STR)},
-            "llama.attention.layer_norm_rms_epsilon = '1e-5': a positive number",
+            "llama.attention.layer_norm_rms_epsilon = '1e-5': a positive finite number",
+        ),
+        # these loaded, then failed every step
+        ({"rope.freq_base": (NAN, F32)}, "llama.rope.freq_base = nan: a positive finite"),
+        (
+            {"attention.layer_norm_rms_epsilon": (INF, F32)},
+            "llama.attention.layer_norm_rms_epsilon = inf: a positive finite",
+        ),
+        ({"rope.scaling.factor": (NAN, F32)}, r"rope_factors \(nan, .*\): positive finite"),
+        (
+            {k: (15, U32) for k in ("attention.key_length", "attention.value_length")}
+            | {"rope.dimension_count": (15, U32)},
+            "head_dim = 15: rotary embeddings turn pairs",
         ),
         # these ran: a token id with no token, text split as GPT-2's
         (

@@ -7,7 +7,7 @@ import pytest
 from kvfence.config import EngineConfig
 from kvfence.engine.llm_engine import LLMEngine
 from kvfence.engine.sampling_params import SamplingParams
-from kvfence.engine.scheduler import Share
+from kvfence.engine.scheduler import PRESENT_S, Share
 
 
 def engine_for(tiny_llama_dir, scheduling="fair", **cfg):
@@ -81,6 +81,77 @@ def test_a_flood_delays_another_tenant_only_under_fifo(tiny_llama_dir, schedulin
         assert waited > 50  # behind every flood request before it
     while engine.has_unfinished():
         engine.step()
+
+
+def phases(engine):
+    """Records each step's batch as (tenant, tokens, decoding) triples."""
+    trace, schedule = [], engine.scheduler.schedule
+
+    def schedule_and_record():
+        batch = schedule()
+        trace.append(
+            [(r.tenant, n, r.num_computed_tokens >= len(r.prompt_token_ids)) for r, n in batch]
+        )
+        return batch
+
+    engine.scheduler.schedule = schedule_and_record
+    return trace
+
+
+def split(step) -> tuple[int, int]:
+    """(decode tokens, prefill tokens) of one recorded step."""
+    decodes = sum(n for _, n, decoding in step if decoding)
+    return decodes, sum(n for _, n, _ in step) - decodes
+
+
+def test_a_newcomer_gets_a_step_of_its_own_and_the_others_wait_one_step_at_most(
+    tiny_llama_dir,
+):
+    """A request of a tenant with nothing running waits for the step in progress and for
+    one short step of its own; the running requests' decodes skip that step, never two in
+    a row."""
+    engine = engine_for(tiny_llama_dir, max_num_seqs=32)
+    trace = phases(engine)
+    add(engine, "flood", 32, prompt_len=100, max_tokens=60)
+    for _ in range(30):
+        engine.step()
+    decoding = split(trace[-1])[0]
+    assert decoding >= 4  # the flood decodes, and more of it waits
+    add(engine, "chat", 1, prompt_len=6, max_tokens=3)
+    engine.step()
+    assert trace[-1] == [("chat", 6, False)]
+    add(engine, "late", 1, prompt_len=6, max_tokens=3)
+    engine.step()  # the flood decodes again; the late newcomer comes in with it
+    tenants = Counter(t for t, _, decoding in trace[-1] if decoding)
+    assert tenants["flood"] >= decoding and ("late", 6, False) in trace[-1]
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+def test_while_another_tenant_is_present_a_step_prefills_at_most_its_decodes(tiny_llama_dir):
+    """So that the step in progress when a request arrives is short; once the other tenant
+    has been gone PRESENT_S seconds, the flood has the whole budget again."""
+    now = [0.0]
+    engine = engine_for(tiny_llama_dir, max_num_seqs=64)
+    engine.scheduler.clock = lambda: now[0]
+    trace = phases(engine)
+    add(engine, "flood", 48, prompt_len=200, max_tokens=30)
+    add(engine, "chat", 1, prompt_len=6, max_tokens=2)
+    for _ in range(40):
+        engine.step()
+    assert not any(r.tenant == "chat" for r in engine.scheduler.running)
+    short = engine.scheduler.max_num_batched_tokens // 8
+    assert all(split(step)[1] <= max(split(step)[0], short) for step in trace), [
+        split(step) for step in trace
+    ]
+    assert any(split(step)[1] > 0 for step in trace[-10:])  # the flood's prefill goes on
+    now[0] = PRESENT_S + 1
+    start = len(trace)
+    for _ in range(5):
+        engine.step()
+    assert any(split(step)[1] > max(split(step)[0], short) for step in trace[start:])
+    for rid in list(engine.requests):
+        engine.abort(rid)
 
 
 def test_weights_give_proportional_service(tiny_llama_dir):
@@ -269,12 +340,17 @@ def test_per_tenant_metrics_need_an_admin_key(limited_server):
     complete(limited_server, BOB)
     public = httpx.get(limited_server + "/metrics", headers={"Authorization": f"Bearer {BOB}"}).text
     assert "tenant" not in public and "bob" not in public
+    # polled between requests, these would give another tenant's prompt length and cache hits
+    for series in ("prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens"):
+        assert f"kvfence_{series}_total" not in public
+    assert "kvfence_requests_running" in public
     private = httpx.get(
         limited_server + "/metrics", headers={"Authorization": f"Bearer {OPS}"}
     ).text
     assert 'kvfence_tenant_requests_total{outcome="length",tenant="bob"}' in private
     assert 'kvfence_tenant_fair_share_counter{tenant="bob"}' in private
     assert 'kvfence_tenant_generation_tokens_total{tenant="bob"}' in private
+    assert "kvfence_prefix_cache_hit_tokens_total" in private
 
 
 def test_kv_usage_returns_to_idle_while_cached_pages_stay_evictable(limited_server):

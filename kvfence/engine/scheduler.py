@@ -10,18 +10,27 @@ and a tenant that joins the waiting queue starts at least at the lowest counter 
 tenants with requests in the engine, or, in an empty engine, at the counter of the tenant
 whose request departed last, so it cannot bank idle time. Within a tenant, first come first
 served; under `fifo`, across tenants too.
+A request's first token waits for the step in progress and for the step that admits it, so
+under `fair` both are kept short while several tenants are present (with requests in the
+engine, or served in the last PRESENT_S seconds): a step's prefill is at most its number of
+decodes, or an eighth of the budget when fewer run; and a newcomer (a request of a tenant
+with nothing running, and no more served than those running) is admitted in a step of its
+own, the running requests' decodes waiting that one step, never two in a row.
 When a running request needs a page and none is free, a running request not yet in this
 step's batch is preempted, the most recently admitted of the tenant most over its share:
 its pages are freed and it goes back to the front of the waiting queue.
 """
 
 import heapq
+import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
 from kvfence.engine.request import Request, RequestState
 from kvfence.kv.allocator import PageAllocator
 from kvfence.kv.prefix_cache import PrefixCache, make_room
+
+PRESENT_S = 10.0  # a tenant served this recently counts as present: its next request is near
 
 
 @dataclass(frozen=True)
@@ -41,6 +50,7 @@ class Scheduler:
         release,
         prefix_cache: PrefixCache | None = None,
         fair: bool = True,
+        clock=time.monotonic,
     ):
         self.allocator = allocator
         self.prefix_cache = prefix_cache
@@ -56,6 +66,10 @@ class Scheduler:
         self._waiting: Counter[str] = Counter()  # waiting requests, per tenant
         self._active: Counter[str] = Counter()  # requests waiting or running, per tenant
         self._last_departed = 0.0  # counter of the tenant whose request left the engine last
+        self.clock = clock
+        self._last_seen: dict[str, float] = {}  # when each tenant last joined or left
+        self._newcomer_step = False  # the last step was newcomers' alone
+        self.short_prefill = max(1, max_num_batched_tokens // 8)  # a step's prefill, contended
         # Admitting a new request leaves this many pages for running ones to grow into.
         self.watermark = max(1, allocator.num_pages // 100)
 
@@ -70,6 +84,7 @@ class Scheduler:
             self.counters[req.tenant] = max(self.counters[req.tenant], floor)
         self._waiting[req.tenant] += 1
         self._active[req.tenant] += 1
+        self._last_seen[req.tenant] = self.clock()
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:
@@ -81,6 +96,15 @@ class Scheduler:
             return
         self._active[req.tenant] -= 1
         self._last_departed = self.counters[req.tenant]
+        self._last_seen[req.tenant] = self.clock()
+
+    def _contended(self) -> bool:
+        """More than one tenant present: some other tenant's next request is likely near."""
+        now = self.clock()
+        for tenant in [t for t, seen in self._last_seen.items() if now - seen > PRESENT_S]:
+            if not self._active[tenant]:
+                del self._last_seen[tenant]
+        return len(self._last_seen) > 1
 
     def _leave_waiting(self, req: Request) -> None:
         self.waiting.remove(req)
@@ -93,24 +117,49 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """Returns (request, number of tokens to compute) pairs; pages for them are reserved."""
         self._drop_terminal()
-        self.budget = self.max_num_batched_tokens
+        contended = self.fair and self._contended()
         batch: list[tuple[Request, int]] = []
+        if contended and not self._newcomer_step and (newcomers := self._newcomers()):
+            self.budget = self.short_prefill
+            self._prefill_work(newcomers, batch)  # a step of their own, if one can start
+        self._newcomer_step = bool(batch)
+        if batch:
+            return batch
+        self.budget = self.max_num_batched_tokens
         for req in [r for r in self.running if r.num_uncomputed_tokens <= 1]:
             self._run(req, batch)
-        self._prefill_work([r for r in self.running if r.num_uncomputed_tokens > 1], batch)
+        if contended:  # the step stays near a decode step's length
+            self.budget = min(self.budget, max(len(batch), self.short_prefill))
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        self._prefill_work(prefills + list(self.waiting), batch)
         return batch
 
-    def _prefill_work(self, prefills: list[Request], batch: list[tuple[Request, int]]) -> None:
+    def _newcomers(self) -> list[Request]:
+        """Waiting requests of tenants with nothing running, served no more than those running."""
+        running = {r.tenant for r in self.running}
+        if not running:
+            return []
+        floor = min(self.counters[t] for t in running)
+        return [
+            r for r in self.waiting if r.tenant not in running and self.counters[r.tenant] <= floor
+        ]
+
+    def _prefill_work(self, candidates: list[Request], batch: list[tuple[Request, int]]) -> None:
         """Running prefill chunks, then admissions, tenant by tenant: the lowest counter first."""
         queues: dict[str, deque[tuple[int, Request]]] = defaultdict(deque)
-        for order, req in enumerate(prefills + list(self.waiting)):
+        for order, req in enumerate(candidates):
             queues[req.tenant].append((order, req))
-        heap = [(self._key(t), q[0][0], t) for t, q in queues.items()]
-        heapq.heapify(heap)
         running = Counter(r.tenant for r in self.running)
+        busy = {t for t in queues if running[t]}
+
+        def key(t: str) -> tuple:  # on a tie, a tenant with nothing running goes first
+            return (self._key(t), self.fair and t in busy, queues[t][0][0], t)
+
+        heap = [key(t) for t in queues]
+        heapq.heapify(heap)
         admitting = True
         while heap and self.budget > 0:
-            _, _, tenant = heapq.heappop(heap)
+            _, _, _, tenant = heapq.heappop(heap)
             _, req = queues[tenant].popleft()
             if req.state == RequestState.RUNNING:
                 self._run(req, batch)
@@ -127,7 +176,7 @@ class Scheduler:
                     admitting = self._admit(req, batch)
                     running[tenant] += admitting
             if queues[tenant]:
-                heapq.heappush(heap, (self._key(tenant), queues[tenant][0][0], tenant))
+                heapq.heappush(heap, key(tenant))
 
     def _key(self, tenant: str) -> float:
         return self.counters[tenant] if self.fair else 0.0

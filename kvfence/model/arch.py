@@ -55,8 +55,13 @@ def gguf_model_config(reader) -> ModelConfig:
         value = field(key, default)
         if isinstance(value, list):
             raise ModelLoadError(f"{key} = {value}: a value per layer is not implemented")
-        if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
-            raise ModelLoadError(f"{key} = {value!r}: a positive number is needed")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ModelLoadError(f"{key} = {value!r}: a positive finite number is needed")
         if kind is int and value != int(value):
             raise ModelLoadError(f"{key} = {value!r}: a whole number is needed")
         return kind(value)

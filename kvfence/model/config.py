@@ -1,7 +1,8 @@
 """Shape of a Llama-family model, read from a GGUF header or a Hugging Face config.json, and
 the error for a model that cannot be read or run."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 
 class ModelLoadError(Exception):
@@ -33,3 +34,28 @@ class ModelConfig:
     # Attention over the last `sliding_window` positions only; the engine refuses contexts
     # longer than it, where that would differ from full attention.
     sliding_window: int | None = None
+
+    def __post_init__(self):
+        """A hyperparameter no step can run with is refused at load, not in every step."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type is int and (
+                isinstance(value, bool) or not isinstance(value, int) or value <= 0
+            ):
+                raise ModelLoadError(f"{f.name} = {value!r}: a positive whole number is needed")
+            if f.type is float and not (
+                isinstance(value, int | float) and math.isfinite(value) and value > 0
+            ):
+                raise ModelLoadError(f"{f.name} = {value!r}: a positive finite number is needed")
+        if self.head_dim % 2:
+            raise ModelLoadError(
+                f"head_dim = {self.head_dim}: rotary embeddings turn pairs of values, so a "
+                f"head needs an even size"
+            )
+        if not all(math.isfinite(f) and f > 0 for f in self.rope_factors):
+            raise ModelLoadError(
+                f"rope_factors ({', '.join(map(str, self.rope_factors[:3]))}, ...): positive "
+                f"finite values are needed"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ModelLoadError(f"sliding_window = {self.sliding_window}: a positive window")

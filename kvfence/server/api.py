@@ -439,8 +439,9 @@ def create_app(
 
         @app.get("/metrics")
         async def metrics(request: Request):
-            s = srv(request)  # an admin key also gets the per-tenant series
-            private = s.api_keys.is_admin(request.headers.get("authorization"))
+            s = srv(request)  # an admin key also gets the private series
+            keys, auth = s.api_keys, request.headers.get("authorization")
+            private = not keys.enabled or keys.is_admin(auth)
             return Response(s.metrics.render(private), media_type=METRICS_MEDIA_TYPE)
 
     @app.get("/v1/models")

@@ -2,8 +2,10 @@
 
 The public series are per server, never per tenant (no tenant label or name), so that a
 scrape does not tell one tenant's traffic or cache hits from another's. Per-tenant series
-(requests by outcome, tokens, queue time, time to first token, the fair-share counter) are
-only in the private registry: the --metrics-port listener, or /metrics with an admin key."""
+(requests by outcome, tokens, queue time, time to first token, the fair-share counter), and
+the server's token and prefix-cache counters, whose steps would tell one request's prompt
+length and cache hits, are only in the private registry: the --metrics-port listener, or
+/metrics with an admin key (or any request, on a server without API keys)."""
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,95 +19,105 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
-class _EngineCollector:
-    def __init__(self, get_engine):
-        self.get_engine = get_engine
+class _Collector:
+    """Series read from the engine at scrape time by `series(engine)`; none before it loads."""
+
+    def __init__(self, get_engine, series):
+        self.get_engine, self.series = get_engine, series
 
     def collect(self):
         engine = self.get_engine()
-        if engine is None:
-            return
-        a, s = engine.allocator, engine.scheduler
-        yield GaugeMetricFamily(
-            "kvfence_requests_running",
-            "Requests in the running batch",
-            value=len(s.running),
-        )
-        yield GaugeMetricFamily(
-            "kvfence_requests_waiting",
-            "Requests waiting to be scheduled",
-            value=len(s.waiting),
-        )
-        yield GaugeMetricFamily("kvfence_kv_pages_total", "KV pages in the pool", value=a.num_pages)
-        yield GaugeMetricFamily(
-            "kvfence_kv_pages_used",
-            "KV pages owned by requests or the prefix cache",
-            value=a.num_used,
-        )
-        held = int((a.owner >= 0).sum() + (a.refcount > 0).sum())
-        yield GaugeMetricFamily(
-            "kvfence_kv_pages_in_use_by_requests",
-            "KV pages owned by or referenced by requests",
-            value=held,
-        )
-        # As vLLM's: pages requests hold; cached pages nobody holds are evictable, so free.
-        yield GaugeMetricFamily(
-            "kvfence_kv_usage_ratio",
-            "Fraction of KV pages held by requests",
-            value=held / a.num_pages,
-        )
-        evictable = engine.prefix_cache.num_evictable if engine.prefix_cache else 0
-        yield GaugeMetricFamily(
-            "kvfence_kv_pages_evictable",
-            "Prefix-cache pages no request holds (free on demand)",
-            value=evictable,
-        )
-        stats = engine.stats
-        yield CounterMetricFamily(
-            "kvfence_prompt_tokens",
-            "Prompt tokens of requests that produced output",
-            value=stats["prompt_tokens"],
-        )
-        yield CounterMetricFamily(
-            "kvfence_generation_tokens",
-            "Generated tokens",
-            value=stats["generation_tokens"],
-        )
-        yield CounterMetricFamily(
-            "kvfence_preemptions",
-            "Requests preempted for lack of pages",
-            value=s.num_preemptions,
-        )
-        yield CounterMetricFamily(
-            "kvfence_kv_sentinel_violations",
-            "Ownership violations caught before a step",
-            value=engine.runner.sentinel_violations,
-        )
-        finished = CounterMetricFamily(
-            "kvfence_requests_ended", "Requests ended, by outcome", labels=["outcome"]
-        )
-        for outcome in ("finished", "aborted", "failed"):
-            finished.add_metric([outcome], stats[outcome])
-        yield finished
-        rejected = CounterMetricFamily(
-            "kvfence_requests_rejected",
-            "Requests rejected at admission, by reason",
-            labels=["reason"],
-        )
-        for reason, count in sorted(engine.rejected.items()):
-            rejected.add_metric([reason], count)
-        yield rejected
-        cache = engine.prefix_cache_stats()
-        yield CounterMetricFamily(
-            "kvfence_prefix_cache_queried_tokens",
-            "Prompt tokens looked up in the prefix cache",
-            value=cache["queried"],
-        )
-        yield CounterMetricFamily(
-            "kvfence_prefix_cache_hit_tokens",
-            "Prompt tokens served from the prefix cache",
-            value=cache["hits"],
-        )
+        return [] if engine is None else self.series(engine)
+
+
+def _engine_state(engine):
+    a, s = engine.allocator, engine.scheduler
+    yield GaugeMetricFamily(
+        "kvfence_requests_running",
+        "Requests in the running batch",
+        value=len(s.running),
+    )
+    yield GaugeMetricFamily(
+        "kvfence_requests_waiting",
+        "Requests waiting to be scheduled",
+        value=len(s.waiting),
+    )
+    yield GaugeMetricFamily("kvfence_kv_pages_total", "KV pages in the pool", value=a.num_pages)
+    yield GaugeMetricFamily(
+        "kvfence_kv_pages_used",
+        "KV pages owned by requests or the prefix cache",
+        value=a.num_used,
+    )
+    held = int((a.owner >= 0).sum() + (a.refcount > 0).sum())
+    yield GaugeMetricFamily(
+        "kvfence_kv_pages_in_use_by_requests",
+        "KV pages owned by or referenced by requests",
+        value=held,
+    )
+    # As vLLM's: pages requests hold; cached pages nobody holds are evictable, so free.
+    yield GaugeMetricFamily(
+        "kvfence_kv_usage_ratio",
+        "Fraction of KV pages held by requests",
+        value=held / a.num_pages,
+    )
+    evictable = engine.prefix_cache.num_evictable if engine.prefix_cache else 0
+    yield GaugeMetricFamily(
+        "kvfence_kv_pages_evictable",
+        "Prefix-cache pages no request holds (free on demand)",
+        value=evictable,
+    )
+    stats = engine.stats
+    yield CounterMetricFamily(
+        "kvfence_preemptions",
+        "Requests preempted for lack of pages",
+        value=s.num_preemptions,
+    )
+    yield CounterMetricFamily(
+        "kvfence_kv_sentinel_violations",
+        "Ownership violations caught before a step",
+        value=engine.runner.sentinel_violations,
+    )
+    finished = CounterMetricFamily(
+        "kvfence_requests_ended", "Requests ended, by outcome", labels=["outcome"]
+    )
+    for outcome in ("finished", "aborted", "failed"):
+        finished.add_metric([outcome], stats[outcome])
+    yield finished
+    rejected = CounterMetricFamily(
+        "kvfence_requests_rejected",
+        "Requests rejected at admission, by reason",
+        labels=["reason"],
+    )
+    for reason, count in sorted(engine.rejected.items()):
+        rejected.add_metric([reason], count)
+    yield rejected
+
+
+def _traffic(engine):
+    """Token and prefix-cache counters: under light traffic their steps give one request's
+    prompt length and cache hits, so they are private."""
+    stats = engine.stats
+    yield CounterMetricFamily(
+        "kvfence_prompt_tokens",
+        "Prompt tokens of requests that produced output",
+        value=stats["prompt_tokens"],
+    )
+    yield CounterMetricFamily(
+        "kvfence_generation_tokens",
+        "Generated tokens",
+        value=stats["generation_tokens"],
+    )
+    cache = engine.prefix_cache_stats()
+    yield CounterMetricFamily(
+        "kvfence_prefix_cache_queried_tokens",
+        "Prompt tokens looked up in the prefix cache",
+        value=cache["queried"],
+    )
+    yield CounterMetricFamily(
+        "kvfence_prefix_cache_hit_tokens",
+        "Prompt tokens served from the prefix cache",
+        value=cache["hits"],
+    )
 
 
 class _FairShareCollector:
@@ -128,7 +140,7 @@ class Metrics:
     def __init__(self, get_engine):
         self.registry = CollectorRegistry()  # public: per server only
         self.private = CollectorRegistry()  # the public series and per-tenant ones
-        engine_state = _EngineCollector(get_engine)
+        engine_state = _Collector(get_engine, _engine_state)
         self.registry.register(engine_state)
         self.ttft = Histogram(
             "kvfence_time_to_first_token_seconds",
@@ -162,6 +174,7 @@ class Metrics:
             self.http_errors,
         ):
             self.private.register(collector)
+        self.private.register(_Collector(get_engine, _traffic))
         self.private.register(_FairShareCollector(get_engine))
         tenant = dict(labelnames=["tenant"], registry=self.private)
         self.tenant_requests = Counter(

@@ -300,13 +300,16 @@ class DecodeLayers {
   int64_t num_heads_;
 };
 
+// Kernels let the GIL go: the server's event loop runs during a step, not after it.
+constexpr py::call_guard<py::gil_scoped_release> kReleaseGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLayers>(m, "DecodeLayers", "a decode-only step's layers with fp32 linear kernels, in one call")
       .def(py::init<const py::capsule&, const py::capsule&, std::vector<torch::Tensor>, std::vector<int64_t>, double,
                     double, int64_t>())
-      .def("__call__", &DecodeLayers::operator());
-  m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax(dim=-1))");
-  m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then rms_norm(x) * weight");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_write_kv", &rope_write_kv, "RoPE on queries and keys; keys and values written into the pool");
+      .def("__call__", &DecodeLayers::operator(), kReleaseGil);
+  m.def("argmax_rows", &argmax_rows, "each row's first maximum (torch.argmax(dim=-1))", kReleaseGil);
+  m.def("add_rms_norm", &add_rms_norm, "x += delta (in place), then rms_norm(x) * weight", kReleaseGil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", kReleaseGil);
+  m.def("rope_write_kv", &rope_write_kv, "RoPE on queries and keys; keys and values written into the pool", kReleaseGil);
 }

@@ -1463,11 +1463,14 @@ torch::Tensor packed_rows(const torch::Tensor& packed, const torch::Tensor& ids,
   return out;
 }
 
+// Kernels let the GIL go: the server's event loop runs during a step, not after it.
+constexpr py::call_guard<py::gil_scoped_release> kReleaseGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others");
-  m.def("packed_rows", &packed_rows, "rows of a packed weight of blocks, as fp32");
-  m.def("pack_super_blocks", &pack_super_blocks, "K-quant blocks in panels, for fp32 activations");
-  m.def("pack_k_quants", &pack_k_quants, "K-quant matrices, one below the other, as a table of panels (int8: for 8-bit activations)");
+  m.def("packed_linear", &packed_linear, "x @ weight.T + bias, each row independent of the others", kReleaseGil);
+  m.def("packed_rows", &packed_rows, "rows of a packed weight of blocks, as fp32", kReleaseGil);
+  m.def("pack_super_blocks", &pack_super_blocks, "K-quant blocks in panels, for fp32 activations", kReleaseGil);
+  m.def("pack_k_quants", &pack_k_quants, "K-quant matrices, one below the other, as a table of panels (int8: for 8-bit activations)", kReleaseGil);
   // For fused.cpp's decode_layers, which calls it without going through Python.
   m.attr("packed_linear_fn") = py::capsule(reinterpret_cast<void*>(&packed_linear), "kvfence.packed_linear");
 }

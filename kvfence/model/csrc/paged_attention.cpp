@@ -268,8 +268,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q,             // [B, 
   return out;
 }
 
+// Kernels let the GIL go: the server's event loop runs during a step, not after it.
+constexpr py::call_guard<py::gil_scoped_release> kReleaseGil{};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged KV pool", kReleaseGil);
   // For fused.cpp's decode_layers, which calls it without going through Python.
   m.attr("paged_decode_attention_fn") =
       py::capsule(reinterpret_cast<void*>(&paged_decode_attention), "kvfence.paged_decode_attention");
