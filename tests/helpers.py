@@ -4,6 +4,7 @@ checks."""
 import os
 
 TENANT_KEYS = {"sk-alice-0123456789": "alice", "sk-bob-9876543210": "bob"}
+ADMIN_KEY = "sk-ops-admin-0000000"  # in write_tenant_keys' file: reads the private /metrics
 
 ALLOW_FAULTS = {"KVFENCE_ALLOW_FAULTS": "1"}  # the environment a server with --inject-fault needs
 
@@ -237,7 +238,7 @@ def write_tenant_keys(tmp_path):
     import json
 
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps(TENANT_KEYS))
+    keys.write_text(json.dumps(TENANT_KEYS | {ADMIN_KEY: {"tenant": "ops", "admin": True}}))
     return keys
 
 
@@ -311,24 +312,25 @@ def stop_server(proc):
         proc.kill()
 
 
-def metric(base: str, name: str) -> float:
-    """Reads one unlabelled sample from /metrics."""
+def metric(base: str, name: str, key: str = ADMIN_KEY) -> float:
+    """Reads one unlabelled sample from /metrics, as the holder of `key` sees it."""
     import httpx
 
-    for line in httpx.get(base + "/metrics").text.splitlines():
+    scrape = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {key}"})
+    for line in scrape.text.splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{}"):
             return float(line.rsplit(" ", 1)[1])
     raise KeyError(name)
 
 
-def wait_for_idle_pool(base: str, timeout: float = 30) -> None:
+def wait_for_idle_pool(base: str, timeout: float = 30, key: str = ADMIN_KEY) -> None:
     import time
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if (
-            metric(base, "kvfence_kv_pages_in_use_by_requests") == 0
-            and metric(base, "kvfence_requests_running") == 0
+            metric(base, "kvfence_kv_pages_in_use_by_requests", key) == 0
+            and metric(base, "kvfence_requests_running", key) == 0
         ):
             return
         time.sleep(0.2)

@@ -13,6 +13,7 @@ from helpers import (
     start_server,
     stop_server,
     wait_for_idle_pool,
+    write_tenant_keys,
 )
 from kvfence import LLM, SamplingParams
 
@@ -89,8 +90,7 @@ def test_incident_replay_with_sentinel_on_fails_closed(tmp_path):
 
 
 def test_clean_server_passes_an_adversarial_audit(tmp_path):
-    keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps(TENANT_KEYS))
+    keys = write_tenant_keys(tmp_path)
     # a pool of 40 pages x 16 = 640 tokens against a 512-token context: preemption under load
     proc, base = start_server(
         tmp_path,

@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import TENANT_KEYS, metric, wait_for_idle_pool
+from helpers import ADMIN_KEY, TENANT_KEYS, metric, wait_for_idle_pool
 
 ALICE, BOB = list(TENANT_KEYS)
 MODEL = "smollm2"
@@ -192,17 +192,22 @@ def test_tokenize_detokenize_round_trip(server):
 
 def test_metrics_exposes_engine_and_latency_series(server, client):
     client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
-    text = httpx.get(server + "/metrics").text
+    public = httpx.get(server + "/metrics").text
+    private = httpx.get(server + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     for name in (
         "kvfence_requests_running",
         "kvfence_requests_waiting",
-        "kvfence_kv_usage_ratio",
-        "kvfence_time_to_first_token_seconds_bucket",
-        "kvfence_inter_token_latency_seconds_bucket",
         "kvfence_requests_rejected_total",
     ):
-        assert name in text, name
-    assert "kvfence_prompt_tokens_total" not in text  # private on a server with API keys
+        assert name in public and name in private, name
+    for name in (
+        "kvfence_kv_usage_ratio",
+        "kvfence_prompt_tokens_total",
+        "kvfence_time_to_first_token_seconds_bucket",
+        "kvfence_inter_token_latency_seconds_bucket",
+        "kvfence_prefix_cache_hit_tokens_total",
+    ):
+        assert name in private and name not in public, name
 
 
 # --- bad input -------------------------------------------------------------------------

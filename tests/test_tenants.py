@@ -116,14 +116,53 @@ def test_a_newcomer_gets_a_step_of_its_own_and_the_others_wait_one_step_at_most(
     for _ in range(30):
         engine.step()
     decoding = split(trace[-1])[0]
-    assert decoding >= 4  # the flood decodes, and more of it waits
+    assert decoding >= engine.scheduler.newcomer_min_decodes  # they would hold a newcomer back
     add(engine, "chat", 1, prompt_len=6, max_tokens=3)
+    before = engine.scheduler.counters["chat"]
     engine.step()
     assert trace[-1] == [("chat", 6, False)]
+    assert engine.scheduler.counters["chat"] >= before + 6 + decoding  # charged what it held
     add(engine, "late", 1, prompt_len=6, max_tokens=3)
     engine.step()  # the flood decodes again; the late newcomer comes in with it
     tenants = Counter(t for t, _, decoding in trace[-1] if decoding)
     assert tenants["flood"] >= decoding and ("late", 6, False) in trace[-1]
+    for rid in list(engine.requests):
+        engine.abort(rid)
+
+
+def test_tiny_requests_cannot_buy_steps_of_their_own_cheaply(tiny_llama_dir):
+    """A tenant that always has nothing running (one-token requests, one after another) gets
+    a step of its own only while the decodes it holds back are many, is charged for them, and
+    never gets two in a row; while few decode, every step carries them."""
+    engine = engine_for(tiny_llama_dir, max_num_seqs=32)
+    trace = phases(engine)
+    add(engine, "flood", 32, prompt_len=100, max_tokens=150)
+    for _ in range(30):
+        engine.step()
+    start, counter = len(trace), engine.scheduler.counters["tiny"]
+    held = 0
+    for i in range(30):
+        add(engine, "tiny", 1, prompt_len=1, max_tokens=1, start=i)
+        decoding = sum(r.num_uncomputed_tokens <= 1 for r in engine.scheduler.running)
+        engine.step()
+        if trace[-1] == [("tiny", 1, False)]:
+            assert decoding >= engine.scheduler.newcomer_min_decodes
+            held += decoding
+    decoded = [any(t == "flood" and decoding for t, _, decoding in step) for step in trace[start:]]
+    assert held and "False, False" not in str(decoded)
+    assert engine.scheduler.counters["tiny"] - counter >= held
+    for rid in list(engine.requests):
+        engine.abort(rid)
+    engine = engine_for(tiny_llama_dir, max_num_seqs=32)
+    trace = phases(engine)
+    add(engine, "flood", engine.scheduler.newcomer_min_decodes - 1, prompt_len=100, max_tokens=150)
+    for _ in range(10):
+        engine.step()
+    start = len(trace)
+    for i in range(10):
+        add(engine, "tiny", 1, prompt_len=1, max_tokens=1, start=i)
+        engine.step()
+    assert all(any(t == "flood" for t, _, _ in step) for step in trace[start:])
     for rid in list(engine.requests):
         engine.abort(rid)
 
@@ -330,7 +369,7 @@ def test_sequences_in_flight_refuse_over_concurrency_plus_queue(limited_server):
                 third.status_code == 429 and third.json()["error"]["code"] == "rate_limit_exceeded"
             )
             assert complete(limited_server, BOB).status_code == 200
-    wait_for_idle_pool(limited_server)
+    wait_for_idle_pool(limited_server, key=OPS)
     assert complete(limited_server, CAROL).status_code == 200
 
 
@@ -341,8 +380,14 @@ def test_per_tenant_metrics_need_an_admin_key(limited_server):
     public = httpx.get(limited_server + "/metrics", headers={"Authorization": f"Bearer {BOB}"}).text
     assert "tenant" not in public and "bob" not in public
     # polled between requests, these would give another tenant's prompt length and cache hits
-    for series in ("prompt_tokens", "generation_tokens", "prefix_cache_hit_tokens"):
-        assert f"kvfence_{series}_total" not in public
+    for series in (
+        "prompt_tokens_total",
+        "prefix_cache_hit_tokens_total",
+        "kv_pages_used",
+        "kv_pages_evictable",
+        "time_to_first_token_seconds_sum",
+    ):
+        assert f"kvfence_{series}" not in public
     assert "kvfence_requests_running" in public
     private = httpx.get(
         limited_server + "/metrics", headers={"Authorization": f"Bearer {OPS}"}
@@ -358,9 +403,9 @@ def test_kv_usage_returns_to_idle_while_cached_pages_stay_evictable(limited_serv
 
     prompt = "A long shared preamble about the accounts of the quarter. " * 8
     assert complete(limited_server, BOB, prompt=prompt, max_tokens=2).status_code == 200
-    wait_for_idle_pool(limited_server)
-    assert metric(limited_server, "kvfence_kv_usage_ratio") == 0
-    assert metric(limited_server, "kvfence_kv_pages_evictable") > 0
+    wait_for_idle_pool(limited_server, key=OPS)
+    assert metric(limited_server, "kvfence_kv_usage_ratio", OPS) == 0
+    assert metric(limited_server, "kvfence_kv_pages_evictable", OPS) > 0
 
 
 def test_quota_window_and_refunds():

@@ -13,9 +13,10 @@ served; under `fifo`, across tenants too.
 A request's first token waits for the step in progress and for the step that admits it, so
 under `fair` both are kept short while several tenants are present (with requests in the
 engine, or served in the last PRESENT_S seconds): a step's prefill is at most its number of
-decodes, or an eighth of the budget when fewer run; and a newcomer (a request of a tenant
-with nothing running, and no more served than those running) is admitted in a step of its
-own, the running requests' decodes waiting that one step, never two in a row.
+decodes, or an eighth of the budget when fewer run; and while at least a 32nd of the
+budget decode, a newcomer (a request of a tenant with nothing running, and no more served
+than those running) is admitted in a step of its own, the decodes waiting that one step,
+never two in a row, and its tenant charged as if it had had them.
 When a running request needs a page and none is free, a running request not yet in this
 step's batch is preempted, the most recently admitted of the tenant most over its share:
 its pages are freed and it goes back to the front of the waiting queue.
@@ -70,6 +71,9 @@ class Scheduler:
         self._last_seen: dict[str, float] = {}  # when each tenant last joined or left
         self._newcomer_step = False  # the last step was newcomers' alone
         self.short_prefill = max(1, max_num_batched_tokens // 8)  # a step's prefill, contended
+        # Fewer decodes add less to a newcomer's step than a step of its own costs them (on a
+        # CPU a step's fixed cost is about that of 5 decodes).
+        self.newcomer_min_decodes = max(1, max_num_batched_tokens // 32)
         # Admitting a new request leaves this many pages for running ones to grow into.
         self.watermark = max(1, allocator.num_pages // 100)
 
@@ -119,14 +123,26 @@ class Scheduler:
         self._drop_terminal()
         contended = self.fair and self._contended()
         batch: list[tuple[Request, int]] = []
-        if contended and not self._newcomer_step and (newcomers := self._newcomers()):
+        decodes = [r for r in self.running if r.num_uncomputed_tokens <= 1]
+        # Newcomers get a step of their own where the decodes are what would hold theirs; it
+        # is charged as the decodes it holds back, so that tiny requests cannot buy it cheaply.
+        if (
+            contended
+            and not self._newcomer_step
+            and len(decodes) >= self.newcomer_min_decodes
+            and (newcomers := self._newcomers())
+        ):
             self.budget = self.short_prefill
-            self._prefill_work(newcomers, batch)  # a step of their own, if one can start
+            self._prefill_work(newcomers, batch)
+            tenants = {r.tenant for r, _ in batch}
+            for tenant in tenants:
+                weight = self.shares.get(tenant, Share()).weight
+                self.counters[tenant] += len(decodes) / len(tenants) / weight
         self._newcomer_step = bool(batch)
         if batch:
             return batch
         self.budget = self.max_num_batched_tokens
-        for req in [r for r in self.running if r.num_uncomputed_tokens <= 1]:
+        for req in decodes:
             self._run(req, batch)
         if contended:  # the step stays near a decode step's length
             self.budget = min(self.budget, max(len(batch), self.short_prefill))

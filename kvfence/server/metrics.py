@@ -1,11 +1,11 @@
 """Prometheus metrics: engine state read at scrape time, latencies observed per request.
 
-The public series are per server, never per tenant (no tenant label or name), so that a
-scrape does not tell one tenant's traffic or cache hits from another's. Per-tenant series
-(requests by outcome, tokens, queue time, time to first token, the fair-share counter), and
-the server's token and prefix-cache counters, whose steps would tell one request's prompt
-length and cache hits, are only in the private registry: the --metrics-port listener, or
-/metrics with an admin key (or any request, on a server without API keys)."""
+The public series are per server and say nothing of any one request: requests running,
+waiting, ended and refused, pool size, preemptions, ownership violations, HTTP errors. The
+rest is only in the private registry (the --metrics-port listener, or /metrics with an admin
+key, or any request on a server without API keys): per-tenant series, and the pages in use,
+token and prefix-cache counters and latency histograms, whose steps under light traffic
+would give another tenant's prompt length and cache hits."""
 
 from prometheus_client import (
     CollectorRegistry,
@@ -43,6 +43,36 @@ def _engine_state(engine):
         value=len(s.waiting),
     )
     yield GaugeMetricFamily("kvfence_kv_pages_total", "KV pages in the pool", value=a.num_pages)
+    yield CounterMetricFamily(
+        "kvfence_preemptions",
+        "Requests preempted for lack of pages",
+        value=s.num_preemptions,
+    )
+    yield CounterMetricFamily(
+        "kvfence_kv_sentinel_violations",
+        "Ownership violations caught before a step",
+        value=engine.runner.sentinel_violations,
+    )
+    finished = CounterMetricFamily(
+        "kvfence_requests_ended", "Requests ended, by outcome", labels=["outcome"]
+    )
+    for outcome in ("finished", "aborted", "failed"):
+        finished.add_metric([outcome], engine.stats[outcome])
+    yield finished
+    rejected = CounterMetricFamily(
+        "kvfence_requests_rejected",
+        "Requests rejected at admission, by reason",
+        labels=["reason"],
+    )
+    for reason, count in sorted(engine.rejected.items()):
+        rejected.add_metric([reason], count)
+    yield rejected
+
+
+def _traffic(engine):
+    """Pages in use, token and prefix-cache counters: under light traffic their steps give
+    one request's prompt length and cache hits, so they are private."""
+    a = engine.allocator
     yield GaugeMetricFamily(
         "kvfence_kv_pages_used",
         "KV pages owned by requests or the prefix cache",
@@ -66,36 +96,6 @@ def _engine_state(engine):
         "Prefix-cache pages no request holds (free on demand)",
         value=evictable,
     )
-    stats = engine.stats
-    yield CounterMetricFamily(
-        "kvfence_preemptions",
-        "Requests preempted for lack of pages",
-        value=s.num_preemptions,
-    )
-    yield CounterMetricFamily(
-        "kvfence_kv_sentinel_violations",
-        "Ownership violations caught before a step",
-        value=engine.runner.sentinel_violations,
-    )
-    finished = CounterMetricFamily(
-        "kvfence_requests_ended", "Requests ended, by outcome", labels=["outcome"]
-    )
-    for outcome in ("finished", "aborted", "failed"):
-        finished.add_metric([outcome], stats[outcome])
-    yield finished
-    rejected = CounterMetricFamily(
-        "kvfence_requests_rejected",
-        "Requests rejected at admission, by reason",
-        labels=["reason"],
-    )
-    for reason, count in sorted(engine.rejected.items()):
-        rejected.add_metric([reason], count)
-    yield rejected
-
-
-def _traffic(engine):
-    """Token and prefix-cache counters: under light traffic their steps give one request's
-    prompt length and cache hits, so they are private."""
     stats = engine.stats
     yield CounterMetricFamily(
         "kvfence_prompt_tokens",
@@ -146,19 +146,19 @@ class Metrics:
             "kvfence_time_to_first_token_seconds",
             "Time to first token",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self.private,
         )
         self.itl = Histogram(
             "kvfence_inter_token_latency_seconds",
             "Time between output chunks of a request",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self.private,
         )
         self.e2e = Histogram(
             "kvfence_request_latency_seconds",
             "Request latency, end to end",
             buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+            registry=self.private,
         )
         self.http_errors = Counter(
             "kvfence_http_errors",
@@ -166,13 +166,8 @@ class Metrics:
             ["status", "code"],
             registry=self.registry,
         )
-        for collector in (
-            engine_state,
-            self.ttft,
-            self.itl,
-            self.e2e,
-            self.http_errors,
-        ):
+        # a request's latencies tell its length under light traffic: private, like its tokens
+        for collector in (engine_state, self.http_errors):
             self.private.register(collector)
         self.private.register(_Collector(get_engine, _traffic))
         self.private.register(_FairShareCollector(get_engine))
