@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import (
+    ADMIN_KEY,
     ALLOW_FAULTS,
     metric,
     run_audit,
@@ -501,6 +502,7 @@ def test_tenant_limits_hold_once_across_workers(tmp_path):
                 "sk-cut": {"tenant": "cut", "max_tokens_per_minute": 500},
                 "sk-pre": {"tenant": "pre", "max_tokens_per_minute": 400},
                 "sk-other": "other",
+                ADMIN_KEY: {"tenant": "ops", "admin": True},  # reads the workers' pools
             }
         )
     )
